@@ -1,0 +1,391 @@
+//! config.json in two stages: [`HfConfig`] mirrors the file as the hub writes it (both RoPE key
+//! layouts, optional fields), and [`HfConfig::validate`] resolves it into a [`ModelConfig`]
+//! with no `Option`s, rejecting what the engine cannot run with a message naming the field.
+
+pub mod deepseek;
+mod rope;
+
+use crate::error::{Error, Result};
+pub use deepseek::{MlaConfig, MoeConfig, Router};
+use serde::Deserialize;
+use std::path::Path;
+
+/// `eos_token_id` is an int in older configs and a list in newer ones.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            TokenIds::One(id) => vec![*id],
+            TokenIds::Many(ids) => ids.clone(),
+        }
+    }
+}
+
+/// RoPE parameters: transformers 5's `rope_parameters`, or an older top-level `rope_scaling`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HfRope {
+    pub rope_type: Option<String>,
+    /// Older checkpoints spell `rope_type` as `type`.
+    #[serde(rename = "type")]
+    pub type_: Option<String>,
+    pub rope_theta: Option<f64>,
+    pub factor: Option<f64>,
+    pub low_freq_factor: Option<f64>,
+    pub high_freq_factor: Option<f64>,
+    pub original_max_position_embeddings: Option<usize>,
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub attention_factor: Option<f64>,
+    pub truncate: Option<bool>,
+    pub partial_rotary_factor: Option<f64>,
+}
+
+/// config.json exactly as found on the hub.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    pub model_type: String,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub num_key_value_heads: Option<i64>,
+    pub head_dim: Option<i64>,
+    pub max_position_embeddings: i64,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    pub eos_token_id: Option<TokenIds>,
+    pub bos_token_id: Option<u32>,
+    pub rope_theta: Option<f64>,
+    pub rope_scaling: Option<HfRope>,
+    pub rope_parameters: Option<HfRope>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    pub sliding_window: Option<i64>,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// DeepSeek's multi-head latent attention and MoE (see [`deepseek`]).
+    #[serde(flatten)]
+    pub deepseek: deepseek::HfDeepseek,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+/// The model families the engine loads; `model_type` selects one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    DeepseekV2,
+    DeepseekV3,
+}
+
+/// How the attention layer is built and what the cache holds per token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttentionConfig {
+    /// MHA (`num_kv_heads == num_heads`), GQA, or MQA (`num_kv_heads == 1`).
+    Gqa {
+        num_kv_heads: usize,
+        head_dim: usize,
+        /// Bias on q/k/v projections (Qwen2, Llama `attention_bias`).
+        qkv_bias: bool,
+        /// Bias on o_proj (Llama `attention_bias` only).
+        o_bias: bool,
+        /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+        qk_norm: bool,
+    },
+    /// DeepSeek's multi-head latent attention.
+    Mla(deepseek::MlaConfig),
+}
+
+/// RoPE frequency scaling, one variant per `rope_type` the engine implements.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    Default,
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max: usize,
+    },
+    Yarn(YarnScaling),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct YarnScaling {
+    /// The factor the frequencies are interpolated by.
+    pub factor: f64,
+    pub original_max: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Multiplies cos and sin (transformers' `attention_scaling`).
+    pub attention_factor: f64,
+    pub truncate: bool,
+    /// DeepSeek's `mscale_all_dim` (0 when absent): also scales the MLA softmax.
+    pub mscale_all_dim: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    /// Width of the rotated part of each head.
+    pub dim: usize,
+    pub scaling: RopeScaling,
+    /// Pair dimension 2i with 2i+1 (DeepSeek's `rope_interleave`) instead of i with i + dim/2.
+    pub interleaved: bool,
+}
+
+/// The MLP of one layer: dense SwiGLU, or DeepSeek's mixture of experts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MlpConfig {
+    Dense {
+        intermediate_size: usize,
+        bias: bool,
+    },
+    Moe(deepseek::MoeConfig),
+}
+
+/// A validated model description: every size resolved, nothing optional.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// Context length: the cache never grows past it.
+    pub max_position_embeddings: usize,
+    /// Keys further back than this are masked; `>= max_position_embeddings` means no window.
+    pub sliding_window: usize,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub eos_token_ids: Vec<u32>,
+    pub attention: AttentionConfig,
+    pub rope: RopeConfig,
+    /// One entry per layer (DeepSeek's first layers are dense, the rest MoE).
+    pub mlp: Vec<MlpConfig>,
+}
+
+/// A size field that must be a positive integer.
+pub(crate) fn positive(field: &str, value: i64) -> Result<usize> {
+    if value <= 0 {
+        return Err(Error::Config(format!(
+            "{field} must be positive, got {value}"
+        )));
+    }
+    Ok(value as usize)
+}
+
+impl HfConfig {
+    /// Reads and parses config.json; a parse error names the file, line and field.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::file(path, e))?;
+        serde_json::from_str(&text)
+            .map_err(|e| Error::file(path, format!("not a valid config: {e}")))
+    }
+
+    pub fn family(&self) -> Result<Family> {
+        Ok(match self.model_type.as_str() {
+            "llama" => Family::Llama,
+            "mistral" => Family::Mistral,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "deepseek_v2" => Family::DeepseekV2,
+            "deepseek_v3" => Family::DeepseekV3,
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown model_type {other:?} (supported: llama, mistral, qwen2, qwen3, \
+                     deepseek_v2, deepseek_v3)"
+                )))
+            }
+        })
+    }
+
+    /// Resolves every size and rejects what the engine cannot run.
+    pub fn validate(&self) -> Result<ModelConfig> {
+        let family = self.family()?;
+        let hidden_size = positive("hidden_size", self.hidden_size)?;
+        let num_attention_heads = positive("num_attention_heads", self.num_attention_heads)?;
+        let max_position_embeddings =
+            positive("max_position_embeddings", self.max_position_embeddings)?;
+        match self.hidden_act.as_deref() {
+            None | Some("silu") | Some("swish") => {}
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "hidden_act {other:?} is not supported (silu)"
+                )))
+            }
+        }
+        if !(self.rms_norm_eps > 0.0) {
+            return Err(Error::Config(format!(
+                "rms_norm_eps must be positive, got {}",
+                self.rms_norm_eps
+            )));
+        }
+        let (attention, rope, mlp) = match family {
+            Family::DeepseekV2 | Family::DeepseekV3 => deepseek::resolve(self, family)?,
+            _ => self.resolve_gqa(family)?,
+        };
+        Ok(ModelConfig {
+            family,
+            vocab_size: positive("vocab_size", self.vocab_size)?,
+            hidden_size,
+            num_hidden_layers: positive("num_hidden_layers", self.num_hidden_layers)?,
+            num_attention_heads,
+            max_position_embeddings,
+            sliding_window: self.sliding_window(family, max_position_embeddings)?,
+            rms_norm_eps: self.rms_norm_eps,
+            tie_word_embeddings: self.tie_word_embeddings,
+            eos_token_ids: self
+                .eos_token_id
+                .as_ref()
+                .map(TokenIds::to_vec)
+                .unwrap_or_default(),
+            attention,
+            rope,
+            mlp,
+        })
+    }
+
+    /// Llama, Mistral, Qwen2, Qwen3: one GQA attention and a dense SwiGLU in every layer.
+    fn resolve_gqa(&self, family: Family) -> Result<(AttentionConfig, RopeConfig, Vec<MlpConfig>)> {
+        let heads = positive("num_attention_heads", self.num_attention_heads)?;
+        let num_kv_heads = match self.num_key_value_heads {
+            Some(n) => positive("num_key_value_heads", n)?,
+            None => heads,
+        };
+        if heads % num_kv_heads != 0 {
+            return Err(Error::Config(format!(
+                "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
+            )));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => positive("head_dim", d)?,
+            None => {
+                let hidden = positive("hidden_size", self.hidden_size)?;
+                if hidden % heads != 0 {
+                    return Err(Error::Config(format!(
+                        "hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) \
+                         and no head_dim is given"
+                    )));
+                }
+                hidden / heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(Error::Config(format!(
+                "head_dim ({head_dim}) must be even for RoPE"
+            )));
+        }
+        let qwen2 = family == Family::Qwen2;
+        let attention = AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            qkv_bias: qwen2 || self.attention_bias,
+            o_bias: !qwen2 && self.attention_bias,
+            qk_norm: family == Family::Qwen3,
+        };
+        let rope = rope::resolve(self, head_dim, false)?;
+        let mlp = MlpConfig::Dense {
+            intermediate_size: positive("intermediate_size", self.intermediate_size)?,
+            bias: self.mlp_bias,
+        };
+        let layers = positive("num_hidden_layers", self.num_hidden_layers)?;
+        Ok((attention, rope, vec![mlp; layers]))
+    }
+
+    /// Mistral's window applies to every layer and is honoured by the attention mask. Qwen's
+    /// `use_sliding_window` mixes windowed and full layers (`max_window_layers`): rejected.
+    fn sliding_window(&self, family: Family, context: usize) -> Result<usize> {
+        let Some(window) = self.sliding_window else {
+            return Ok(context);
+        };
+        let window = positive("sliding_window", window)?;
+        let active = match family {
+            Family::Qwen2 | Family::Qwen3 => self.use_sliding_window,
+            _ => true,
+        };
+        if !active || window >= context {
+            return Ok(context);
+        }
+        if family != Family::Mistral {
+            return Err(Error::Config(format!(
+                "sliding_window ({window}) smaller than max_position_embeddings ({context}) is only \
+                 supported for mistral; set use_sliding_window to false or sliding_window to null"
+            )));
+        }
+        Ok(window)
+    }
+}
+
+impl ModelConfig {
+    /// Reads config.json and validates it.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        HfConfig::from_file(path)?.validate().map_err(|e| match e {
+            Error::Config(msg) => Error::file(path, msg),
+            other => other,
+        })
+    }
+
+    /// The attention variant's short name: `mha`, `mqa`, `gqa` or `mla`.
+    pub fn attention_kind(&self) -> &'static str {
+        match &self.attention {
+            AttentionConfig::Gqa { num_kv_heads, .. }
+                if *num_kv_heads == self.num_attention_heads =>
+            {
+                "mha"
+            }
+            AttentionConfig::Gqa {
+                num_kv_heads: 1, ..
+            } => "mqa",
+            AttentionConfig::Gqa { .. } => "gqa",
+            AttentionConfig::Mla(_) => "mla",
+        }
+    }
+
+    /// Values the cache stores per token per layer.
+    pub fn kv_values_per_token_per_layer(&self) -> usize {
+        match &self.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => 2 * num_kv_heads * head_dim,
+            AttentionConfig::Mla(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+        }
+    }
+
+    /// What MHA with the same heads would cache per token per layer (for comparison).
+    pub fn mha_values_per_token_per_layer(&self) -> usize {
+        let h = self.num_attention_heads;
+        match &self.attention {
+            AttentionConfig::Gqa { head_dim, .. } => 2 * h * head_dim,
+            AttentionConfig::Mla(m) => h * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
+        }
+    }
+
+    /// KV-cache bytes per token over all layers at the given element size.
+    pub fn kv_bytes_per_token(&self, dtype_size: usize) -> usize {
+        self.num_hidden_layers * self.kv_values_per_token_per_layer() * dtype_size
+    }
+}

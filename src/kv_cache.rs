@@ -1,0 +1,146 @@
+//! The per-layer KV cache, owned by the caller and passed into `forward`.
+//!
+//! Every entry is allocated once, for a fixed capacity, and written in place with
+//! `slice_set`: no `Tensor::cat` per step. (candle-nn's `kv_cache::Cache` allocates on first
+//! use and grows by concatenation past its capacity; we want a hard capacity and an error.)
+
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// What one layer caches. Both variants are (1, heads, capacity, width) so that positions are
+/// always dimension 2.
+#[derive(Debug, Clone)]
+pub enum LayerCache {
+    /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
+    Kv { k: Tensor, v: Tensor },
+    /// MLA: the normalised latent `c_kv` (width kv_lora_rank) and the rotated shared key
+    /// `k_pe` (width qk_rope_head_dim), as one "head" each.
+    Latent { c_kv: Tensor, k_pe: Tensor },
+}
+
+impl LayerCache {
+    /// Writes `a` and `b` (1, heads, T, width) at position `pos` and returns views of
+    /// positions `0..pos + T` of both.
+    pub fn write(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        pos: usize,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (dst_a, dst_b) = match self {
+            LayerCache::Kv { k, v } => (k, v),
+            LayerCache::Latent { c_kv, k_pe } => (c_kv, k_pe),
+        };
+        let len = pos + a.dim(2)?;
+        dst_a.slice_set(&a.contiguous()?, 2, pos)?;
+        dst_b.slice_set(&b.contiguous()?, 2, pos)?;
+        Ok((dst_a.narrow(2, 0, len)?, dst_b.narrow(2, 0, len)?))
+    }
+}
+
+/// One [`LayerCache`] per layer and the number of positions filled so far.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    /// Positions written in every layer; the next token's position.
+    len: usize,
+    capacity: usize,
+    bytes_per_token: usize,
+}
+
+impl KvCache {
+    /// Allocates room for `capacity` positions (at most the model's context length).
+    pub fn new(cfg: &ModelConfig, capacity: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        if capacity == 0 || capacity > cfg.max_position_embeddings {
+            return Err(Error::Invalid(format!(
+                "cache capacity {capacity} must be between 1 and the context length ({})",
+                cfg.max_position_embeddings
+            )));
+        }
+        let (shape_a, shape_b) = match &cfg.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                head_dim,
+                ..
+            } => (
+                (1, *num_kv_heads, capacity, *head_dim),
+                (1, *num_kv_heads, capacity, *head_dim),
+            ),
+            AttentionConfig::Mla(m) => (
+                (1, 1, capacity, m.kv_lora_rank),
+                (1, 1, capacity, m.qk_rope_head_dim),
+            ),
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| {
+                let a = Tensor::zeros(shape_a, dtype, dev)?;
+                let b = Tensor::zeros(shape_b, dtype, dev)?;
+                Ok(match cfg.attention {
+                    AttentionConfig::Gqa { .. } => LayerCache::Kv { k: a, v: b },
+                    AttentionConfig::Mla(_) => LayerCache::Latent { c_kv: a, k_pe: b },
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let bytes_per_token = cfg.kv_bytes_per_token(dtype.size_in_bytes());
+        Ok(Self {
+            layers,
+            len: 0,
+            capacity,
+            bytes_per_token,
+        })
+    }
+
+    /// Positions filled so far (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes one token occupies over all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        self.bytes_per_token
+    }
+
+    /// Bytes holding cached tokens now.
+    pub fn bytes_in_use(&self) -> usize {
+        self.len * self.bytes_per_token
+    }
+
+    /// Bytes allocated for the whole capacity.
+    pub fn bytes_allocated(&self) -> usize {
+        self.capacity * self.bytes_per_token
+    }
+
+    /// Forgets every cached token; the memory is kept for reuse.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// Checks that `t` more tokens fit, before any layer writes.
+    pub(crate) fn reserve(&self, t: usize) -> Result<()> {
+        if self.len + t > self.capacity {
+            return Err(Error::Invalid(format!(
+                "cache full: {} cached + {t} new tokens exceed its capacity of {}",
+                self.len, self.capacity
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn layers(&self) -> &[LayerCache] {
+        &self.layers
+    }
+
+    /// Marks `t` positions as written, after every layer has written them.
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+}

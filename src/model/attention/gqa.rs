@@ -1,0 +1,86 @@
+//! Multi-head attention with `num_kv_heads` key/value heads: MHA when it equals the number of
+//! query heads, MQA when it is 1, GQA in between. One implementation for all three.
+
+use super::sdpa;
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::kv_cache::LayerCache;
+use crate::model::rope::Rope;
+use candle_core::{Error, Module, Result, Tensor};
+use candle_nn::{linear_b, rms_norm, Linear, RmsNorm, VarBuilder};
+
+#[derive(Debug, Clone)]
+pub struct GqaAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Qwen3's per-head RMSNorm on q and k (over head_dim, before RoPE).
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    /// Divides `num_heads`; each group of num_heads / num_kv_heads query heads shares one K/V.
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl GqaAttention {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            qkv_bias,
+            o_bias,
+            qk_norm,
+        } = cfg.attention
+        else {
+            return Err(Error::Msg("GqaAttention needs a GQA config".into()));
+        };
+        let (h, hidden) = (cfg.num_attention_heads, cfg.hidden_size);
+        let norm = |name: &str| match qk_norm {
+            true => rms_norm(head_dim, cfg.rms_norm_eps, vb.pp(name)).map(Some),
+            false => Ok(None),
+        };
+        Ok(Self {
+            q_proj: linear_b(hidden, h * head_dim, qkv_bias, vb.pp("q_proj"))?,
+            k_proj: linear_b(hidden, num_kv_heads * head_dim, qkv_bias, vb.pp("k_proj"))?,
+            v_proj: linear_b(hidden, num_kv_heads * head_dim, qkv_bias, vb.pp("v_proj"))?,
+            o_proj: linear_b(h * head_dim, hidden, o_bias, vb.pp("o_proj"))?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            num_heads: h,
+            num_kv_heads,
+            head_dim,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &LayerCache,
+        pos: usize,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        // 1. Project, split heads: (B, T, H, D)
+        let mut q = self.q_proj.forward(x)?.reshape((b, t, h, d))?;
+        let mut k = self.k_proj.forward(x)?.reshape((b, t, g, d))?;
+        let v = self.v_proj.forward(x)?.reshape((b, t, g, d))?;
+        // 2. Qwen3's per-head norm
+        if let (Some(q_norm), Some(k_norm)) = (&self.q_norm, &self.k_norm) {
+            q = q_norm.forward(&q)?;
+            k = k_norm.forward(&k)?;
+        }
+        // 3. RoPE on (B, H, T, D)
+        let q = rope.apply(&q.transpose(1, 2)?, pos)?;
+        let k = rope.apply(&k.transpose(1, 2)?, pos)?;
+        let v = v.transpose(1, 2)?; // (B, G, T, D)
+                                    // 4. Write this step into the cache, attend over everything cached
+        let (k, v) = cache.write(&k, &v, pos)?; // (B, G, S, D)
+        let y = sdpa(&q, &k, &v, 1.0 / (d as f64).sqrt(), mask)?; // (B, H, T, D)
+                                                                  // 5. Merge heads, output projection
+        let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
+        self.o_proj.forward(&y)
+    }
+}

@@ -1,0 +1,230 @@
+//! DeepSeek's multi-head latent attention (MLA).
+//!
+//! Keys and values are up-projections of a shared latent `c_kv` (width kv_lora_rank), plus a
+//! small RoPE key `k_pe` shared by all heads. The cache holds only `c_kv` and `k_pe`. With one
+//! new token the up-projection is folded into the query and the output ("absorbed"):
+//! `q_lat = q_nope · W_UK`, `scores = q_lat · Cᵀ + q_pe · K_peᵀ`, `o = (p · C) · W_UV`, so the
+//! per-head K and V are never built. A prompt takes the expanded form: up-project C into
+//! per-head K and V and run ordinary attention. The two are tested equal.
+
+use super::{attend, sdpa};
+use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
+use crate::kv_cache::LayerCache;
+use crate::model::rope::Rope;
+use candle_core::{Error, Module, Result, Tensor, D};
+use candle_nn::{linear_b, linear_no_bias, rms_norm, Linear, RmsNorm, VarBuilder};
+
+/// How the query is produced: directly, or through a low-rank bottleneck (q-LoRA).
+#[derive(Debug, Clone)]
+enum QueryProj {
+    Direct {
+        q_proj: Linear,
+    },
+    LowRank {
+        q_a_proj: Linear,
+        q_a_layernorm: RmsNorm,
+        q_b_proj: Linear,
+    },
+}
+
+/// Which form of attention to run over the latent cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaForm {
+    /// Up-project the cached latents into per-head K and V.
+    Expanded,
+    /// Fold `kv_b_proj` into the query and the output; attend over the latents directly.
+    Absorbed,
+}
+
+#[derive(Debug, Clone)]
+pub struct MlaAttention {
+    query: QueryProj,
+    kv_a_proj_with_mqa: Linear,
+    kv_a_layernorm: RmsNorm,
+    kv_b_proj: Linear,
+    /// kv_b_proj's key half per head: (H, qk_nope_head_dim, kv_lora_rank).
+    w_uk: Tensor,
+    /// kv_b_proj's value half per head, transposed: (H, kv_lora_rank, v_head_dim).
+    w_uv_t: Tensor,
+    o_proj: Linear,
+    num_heads: usize,
+    cfg: MlaConfig,
+}
+
+impl MlaAttention {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let AttentionConfig::Mla(m) = &cfg.attention else {
+            return Err(Error::Msg("MlaAttention needs an MLA config".into()));
+        };
+        let (h, hidden, eps) = (cfg.num_attention_heads, cfg.hidden_size, cfg.rms_norm_eps);
+        let qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        let query = match m.q_lora_rank {
+            0 => QueryProj::Direct {
+                q_proj: linear_no_bias(hidden, h * qk_head_dim, vb.pp("q_proj"))?,
+            },
+            r => QueryProj::LowRank {
+                q_a_proj: linear_b(hidden, r, m.bias, vb.pp("q_a_proj"))?,
+                q_a_layernorm: rms_norm(r, eps, vb.pp("q_a_layernorm"))?,
+                q_b_proj: linear_no_bias(r, h * qk_head_dim, vb.pp("q_b_proj"))?,
+            },
+        };
+        let r = m.kv_lora_rank;
+        let kv_b_proj = linear_no_bias(
+            r,
+            h * (m.qk_nope_head_dim + m.v_head_dim),
+            vb.pp("kv_b_proj"),
+        )?;
+        // Split kv_b_proj once at load: rows of head i are [W_UK_i; W_UV_i].
+        let w = kv_b_proj
+            .weight()
+            .reshape((h, m.qk_nope_head_dim + m.v_head_dim, r))?;
+        let w_uk = w.narrow(1, 0, m.qk_nope_head_dim)?.contiguous()?; // (H, nope, r)
+        let w_uv_t = w
+            .narrow(1, m.qk_nope_head_dim, m.v_head_dim)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        Ok(Self {
+            query,
+            kv_a_proj_with_mqa: linear_b(
+                hidden,
+                r + m.qk_rope_head_dim,
+                m.bias,
+                vb.pp("kv_a_proj_with_mqa"),
+            )?,
+            kv_a_layernorm: rms_norm(r, eps, vb.pp("kv_a_layernorm"))?,
+            kv_b_proj,
+            w_uk,
+            w_uv_t,
+            o_proj: linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?,
+            num_heads: h,
+            cfg: m.clone(),
+        })
+    }
+
+    /// One new token takes the absorbed form, a prompt the expanded one.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &LayerCache,
+        pos: usize,
+    ) -> Result<Tensor> {
+        let form = if x.dim(1)? == 1 {
+            MlaForm::Absorbed
+        } else {
+            MlaForm::Expanded
+        };
+        self.forward_form(x, rope, mask, cache, pos, form)
+    }
+
+    pub fn forward_form(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &LayerCache,
+        pos: usize,
+        form: MlaForm,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let m = &self.cfg;
+        let (h, r, nope, rope_dim) = (
+            self.num_heads,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+        );
+        // 1. Query: (B, H, T, nope + rope), split into its two parts
+        let q = match &self.query {
+            QueryProj::Direct { q_proj } => q_proj.forward(x)?,
+            QueryProj::LowRank {
+                q_a_proj,
+                q_a_layernorm,
+                q_b_proj,
+            } => q_b_proj.forward(&q_a_layernorm.forward(&q_a_proj.forward(x)?)?)?,
+        };
+        let q = q.reshape((b, t, h, nope + rope_dim))?.transpose(1, 2)?;
+        let q_nope = q.narrow(D::Minus1, 0, nope)?;
+        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?, pos)?; // (B, H, T, rope)
+                                                                            // 2. Latent and shared RoPE key: (B, 1, T, r) and (B, 1, T, rope)
+        let kv = self.kv_a_proj_with_mqa.forward(x)?;
+        let c_kv = self
+            .kv_a_layernorm
+            .forward(&kv.narrow(D::Minus1, 0, r)?)?
+            .unsqueeze(1)?;
+        let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?, pos)?;
+        // 3. Cache only the latent and k_pe; read back all S positions
+        let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?; // (B, 1, S, r), (B, 1, S, rope)
+                                                            // 4. Attention in the chosen form: (B, H, T, v_head_dim)
+        let y = match form {
+            MlaForm::Expanded => self.expanded(&q_nope, &q_pe, &c_kv, &k_pe, mask)?,
+            MlaForm::Absorbed => self.absorbed(&q_nope, &q_pe, &c_kv, &k_pe, mask)?,
+        };
+        // 5. Merge heads, output projection
+        let y = y.transpose(1, 2)?.reshape((b, t, h * m.v_head_dim))?;
+        self.o_proj.forward(&y)
+    }
+
+    /// Per-head K = [C·W_UKᵀ, k_pe], V = C·W_UVᵀ, then ordinary attention.
+    fn expanded(
+        &self,
+        q_nope: &Tensor,
+        q_pe: &Tensor,
+        c_kv: &Tensor,
+        k_pe: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let m = &self.cfg;
+        let (b, s, h) = (c_kv.dim(0)?, c_kv.dim(2)?, self.num_heads);
+        let kv = self.kv_b_proj.forward(&c_kv.squeeze(1)?)?; // (B, S, H·(nope + v))
+        let kv = kv
+            .reshape((b, s, h, m.qk_nope_head_dim + m.v_head_dim))?
+            .transpose(1, 2)?;
+        let k_nope = kv.narrow(D::Minus1, 0, m.qk_nope_head_dim)?;
+        let v = kv
+            .narrow(D::Minus1, m.qk_nope_head_dim, m.v_head_dim)?
+            .contiguous()?; // (B, H, S, v)
+        let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
+        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?; // (B, H, S, nope + rope)
+        let q = Tensor::cat(&[q_nope, q_pe], D::Minus1)?;
+        sdpa(&q, &k, &v, m.softmax_scale, mask)
+    }
+
+    /// Attend over the latents as one shared "head" of width kv_lora_rank (like MQA).
+    fn absorbed(
+        &self,
+        q_nope: &Tensor,
+        q_pe: &Tensor,
+        c_kv: &Tensor,
+        k_pe: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let m = &self.cfg;
+        let (b, h, t, _) = q_nope.dims4()?;
+        let (r, rope_dim) = (m.kv_lora_rank, m.qk_rope_head_dim);
+        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
+        let q_nope =
+            q_nope
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((h, b * t, m.qk_nope_head_dim))?;
+        let q_lat = q_nope.matmul(&self.w_uk)?;
+        // All heads against the one latent "head": (B, 1, H·T, r)
+        let q_lat = q_lat
+            .reshape((h, b, t, r))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((b, 1, h * t, r))?;
+        let q_pe = q_pe.contiguous()?.reshape((b, 1, h * t, rope_dim))?;
+        let scores = (q_lat.matmul(&c_kv.t()?)? + q_pe.matmul(&k_pe.t()?)?)?; // (B, 1, H·T, S)
+        let o_lat = attend(&scores, c_kv, h, t, m.softmax_scale, mask)?; // (B, H, T, r)
+                                                                         // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
+        let o_lat = o_lat
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((h, b * t, r))?;
+        let o = o_lat.matmul(&self.w_uv_t)?;
+        o.reshape((h, b, t, m.v_head_dim))?.transpose(0, 1) // (B, H, T, v)
+    }
+}

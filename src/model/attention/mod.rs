@@ -1,0 +1,141 @@
+//! The attention layer, chosen by config: [`GqaAttention`] for MHA/MQA/GQA, [`MlaAttention`]
+//! for DeepSeek's latent attention. Both end in the one [`sdpa`].
+
+mod gqa;
+mod mla;
+
+pub use gqa::GqaAttention;
+pub use mla::MlaAttention;
+
+use super::rope::Rope;
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::kv_cache::LayerCache;
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+#[derive(Debug, Clone)]
+pub enum Attention {
+    Gqa(GqaAttention),
+    Mla(MlaAttention),
+}
+
+impl Attention {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(match &cfg.attention {
+            AttentionConfig::Gqa { .. } => Attention::Gqa(GqaAttention::new(cfg, vb)?),
+            AttentionConfig::Mla(_) => Attention::Mla(MlaAttention::new(cfg, vb)?),
+        })
+    }
+
+    /// x: (B, T, C) at positions `pos..pos + T`; `mask` is `None` for a single new token.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &LayerCache,
+        pos: usize,
+    ) -> Result<Tensor> {
+        match self {
+            Attention::Gqa(a) => a.forward(x, rope, mask, cache, pos),
+            Attention::Mla(a) => a.forward(x, rope, mask, cache, pos),
+        }
+    }
+}
+
+/// Additive mask (T, S) for T queries at the end of S keys: 0 where key j is visible to query
+/// i (causal, and fewer than `window` positions back), -inf elsewhere.
+pub fn causal_mask(
+    t: usize,
+    s: usize,
+    window: usize,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
+    let offset = s - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            let q = offset + i;
+            (0..s).map(move |j| {
+                if j > q || q - j >= window {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, s), dev)?.to_dtype(dtype)
+}
+
+/// Scaled dot-product attention with grouped heads.
+///
+/// q: (B, H, T, Dk); k: (B, G, S, Dk); v: (B, G, S, Dv) with H a multiple of G. The query is
+/// reshaped to (B, G, H/G·T, Dk) so each group's heads share one K/V without copying it
+/// (the repeat_kv of transformers is never done).
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (b, h, t, dk) = q.dims4()?;
+    let g = k.dim(1)?;
+    let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
+    let scores = q.matmul(&k.t()?)?; // (B, G, H/G·T, S)
+    attend(&scores, v, h, t, scale, mask)
+}
+
+/// The shared tail of every attention: scale, mask, softmax (in f32), weighted sum of `v`.
+///
+/// scores: (B, G, H/G·T, S) raw dot products; v: (B, G, S, Dv). Returns (B, H, T, Dv).
+pub fn attend(
+    scores: &Tensor,
+    v: &Tensor,
+    h: usize,
+    t: usize,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (b, g, _, s) = scores.dims4()?;
+    let dv = v.dim(3)?;
+    let att = (scores.to_dtype(DType::F32)? * scale)?;
+    let att = match mask {
+        Some(mask) => att
+            .reshape((b, g, h / g, t, s))?
+            .broadcast_add(&mask.to_dtype(DType::F32)?)?,
+        None => att,
+    };
+    let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(v.dtype())?;
+    let att = att.reshape((b, g, (h / g) * t, s))?;
+    att.matmul(v)?.reshape((b, h, t, dv)) // (B, H, T, Dv)
+}
+
+/// The textbook attention, one head at a time with explicit K/V per head: tests compare
+/// [`sdpa`] against it.
+pub fn naive_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (h, g) = (q.dim(1)?, k.dim(1)?);
+    let heads = (0..h)
+        .map(|i| {
+            let (q, k, v) = (
+                q.narrow(1, i, 1)?,
+                k.narrow(1, i / (h / g), 1)?,
+                v.narrow(1, i / (h / g), 1)?,
+            );
+            let mut att = (q.matmul(&k.t()?)? * scale)?;
+            if let Some(mask) = mask {
+                att = att.broadcast_add(mask)?;
+            }
+            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+            att.matmul(&v)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&heads, 1)
+}

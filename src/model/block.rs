@@ -1,0 +1,52 @@
+//! One decoder layer: pre-norm residual wiring around attention and the MLP.
+
+use super::attention::Attention;
+use super::mlp::Mlp;
+use super::rope::Rope;
+use crate::config::ModelConfig;
+use crate::kv_cache::LayerCache;
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{rms_norm, RmsNorm, VarBuilder};
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    pub fn new(cfg: &ModelConfig, layer: usize, vb: VarBuilder) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        Ok(Self {
+            input_layernorm: rms_norm(h, eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::new(cfg, vb.pp("self_attn"))?,
+            post_attention_layernorm: rms_norm(h, eps, vb.pp("post_attention_layernorm"))?,
+            mlp: Mlp::new(cfg, layer, vb.pp("mlp"))?,
+        })
+    }
+
+    /// x: (B, T, C) -> (B, T, C).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        cache: &LayerCache,
+        pos: usize,
+    ) -> Result<Tensor> {
+        let attn =
+            self.self_attn
+                .forward(&self.input_layernorm.forward(x)?, rope, mask, cache, pos)?;
+        let x = (x + attn)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + mlp
+    }
+
+    pub fn self_attn(&self) -> &Attention {
+        &self.self_attn
+    }
+}

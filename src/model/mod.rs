@@ -1,0 +1,120 @@
+//! The decoder-only transformer: embedding, a stack of [`block::DecoderLayer`]s, final norm
+//! and LM head. Stateless: the caller owns the [`KvCache`] and the position comes from it.
+
+pub mod attention;
+pub mod block;
+pub mod mlp;
+pub mod moe;
+pub mod rope;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use attention::causal_mask;
+use block::DecoderLayer;
+use candle_core::{DType, Module, Tensor};
+use candle_nn::{embedding, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use rope::Rope;
+
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// The embedding matrix itself when `tie_word_embeddings` is set.
+    lm_head: Linear,
+    rope: Rope,
+    cfg: ModelConfig,
+}
+
+impl Transformer {
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let vb_m = vb.pp("model");
+        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let rope = Rope::new(
+            &cfg.rope,
+            cfg.max_position_embeddings,
+            vb.dtype(),
+            vb.device(),
+        )?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?,
+            lm_head,
+            rope,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        self.embed_tokens.embeddings().device()
+    }
+
+    /// The dtype of weights, activations and cache.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.embeddings().dtype()
+    }
+
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// Runs `ids` (B, T) through the stack after the tokens already in `cache`, writes their
+    /// keys and values into it, and returns the final hidden states (B, T, C).
+    fn hidden(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (_, t) = ids.dims2()?;
+        cache.reserve(t)?;
+        let pos = cache.len();
+        if ids.max_all()?.to_scalar::<u32>()? as usize >= self.cfg.vocab_size {
+            return Err(Error::Invalid(format!(
+                "token id out of range (vocab_size {})",
+                self.cfg.vocab_size
+            )));
+        }
+        let mut x = self.embed_tokens.forward(ids)?;
+        // A single new token sees every cached key unless a sliding window hides some.
+        let s = pos + t;
+        let mask = match t > 1 || s > self.cfg.sliding_window {
+            true => Some(causal_mask(
+                t,
+                s,
+                self.cfg.sliding_window,
+                x.dtype(),
+                x.device(),
+            )?),
+            false => None,
+        };
+        for (layer, entry) in self.layers.iter().zip(cache.layers()) {
+            x = layer.forward(&x, &self.rope, mask.as_ref(), entry, pos)?;
+        }
+        cache.advance(t);
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// Logits (B, T, vocab) in f32 for every position of `ids`.
+    pub fn forward(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.hidden(ids, cache)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits (B, vocab) in f32 for the last position only: the LM head runs once.
+    pub fn forward_last(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let x = self.hidden(ids, cache)?;
+        let t = x.dim(1)?;
+        let x = x.narrow(1, t - 1, 1)?;
+        Ok(self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?)
+    }
+}

@@ -1,0 +1,114 @@
+//! Rotary position embeddings: frequency tables for default, linear, llama3 and yarn scaling
+//! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels.
+
+use crate::config::{RopeConfig, RopeScaling, YarnScaling};
+use candle_core::{DType, Device, Result, Tensor};
+use std::f64::consts::PI;
+
+/// cos/sin tables for every position of the context.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// (max_positions, dim/2), already multiplied by yarn's attention factor.
+    cos: Tensor,
+    sin: Tensor,
+    /// Pairs (2i, 2i+1) when true, (i, i + dim/2) otherwise (Llama's `rotate_half`).
+    interleaved: bool,
+}
+
+/// Inverse frequencies, one per rotated pair.
+pub fn inv_freq(cfg: &RopeConfig) -> Vec<f64> {
+    let dim = cfg.dim;
+    let base: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
+    match &cfg.scaling {
+        RopeScaling::Default => base,
+        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max,
+        } => {
+            let old = *original_max as f64;
+            let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+        RopeScaling::Yarn(y) => yarn_inv_freq(&base, cfg, y),
+    }
+}
+
+/// Blends interpolated and extrapolated frequencies over yarn's correction range.
+fn yarn_inv_freq(base: &[f64], cfg: &RopeConfig, y: &YarnScaling) -> Vec<f64> {
+    let dim = cfg.dim as f64;
+    let correction_dim = |rotations: f64| {
+        dim * (y.original_max as f64 / (rotations * 2.0 * PI)).ln() / (2.0 * cfg.theta.ln())
+    };
+    let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
+    if y.truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    base.iter()
+        .enumerate()
+        .map(|(i, &f)| {
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation = 1.0 - ramp;
+            (f / y.factor) * (1.0 - extrapolation) + f * extrapolation
+        })
+        .collect()
+}
+
+impl Rope {
+    pub fn new(cfg: &RopeConfig, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let inv_freq = inv_freq(cfg);
+        let attention_factor = match &cfg.scaling {
+            RopeScaling::Yarn(y) => y.attention_factor,
+            _ => 1.0,
+        };
+        // transformers computes the angles in f32: do the same so long contexts match it.
+        let inv_freq: Vec<f32> = inv_freq.iter().map(|&f| f as f32).collect();
+        let half = inv_freq.len();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
+        let positions = Tensor::arange(0u32, max_positions as u32, dev)?
+            .to_dtype(DType::F32)?
+            .reshape((max_positions, 1))?;
+        let angles = positions.matmul(&inv_freq)?; // (T, dim/2)
+        let cos = (angles.cos()? * attention_factor)?.to_dtype(dtype)?;
+        let sin = (angles.sin()? * attention_factor)?.to_dtype(dtype)?;
+        Ok(Self {
+            cos,
+            sin,
+            interleaved: cfg.interleaved,
+        })
+    }
+
+    /// Rotates `x` (B, H, T, D) whose first token sits at position `pos`.
+    pub fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let t = x.dim(2)?;
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let x = x.contiguous()?;
+        if self.interleaved {
+            candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
+        } else {
+            candle_nn::rotary_emb::rope(&x, &cos, &sin)
+        }
+    }
+}
