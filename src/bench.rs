@@ -2,6 +2,7 @@
 //! reads and the effective memory bandwidth that implies. No tokenizer needed.
 
 use crate::error::Result;
+use crate::generate::prefill;
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::argmax;
@@ -22,25 +23,27 @@ pub struct BenchResult {
 }
 
 /// Times one prefill of `prompt_tokens` synthetic ids and `new_tokens` greedy decode steps.
+/// `expanded_mla` caches MLA's up-projected K/V instead of the latent (for comparison).
 pub fn run(
     model: &Transformer,
     weight_bytes: usize,
     prompt_tokens: usize,
     new_tokens: usize,
+    expanded_mla: bool,
 ) -> Result<BenchResult> {
     let cfg = model.config();
     let capacity = prompt_tokens + new_tokens;
-    let mut cache = KvCache::new(cfg, capacity, model.dtype(), model.device())?;
+    let (dtype, dev) = (model.dtype(), model.device());
+    let mut cache = match expanded_mla {
+        true => KvCache::expanded(cfg, capacity, dtype, dev)?,
+        false => KvCache::new(cfg, capacity, dtype, dev)?,
+    };
     // Deterministic ids spread over the vocabulary.
     let ids: Vec<u32> = (0..prompt_tokens)
         .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
         .collect();
     let start = Instant::now();
-    let input = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
-    let mut logits = model
-        .forward_last(&input, &mut cache)?
-        .squeeze(0)?
-        .to_vec1::<f32>()?;
+    let mut logits = prefill(model, &ids, &mut cache)?;
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 0..new_tokens {

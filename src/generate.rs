@@ -108,6 +108,23 @@ impl<'a> TokenStream<'a> {
     }
 }
 
+/// Prompt tokens per forward during prefill: bounds the (heads, chunk, context) attention
+/// scores a long prompt materialises, as llama.cpp's micro-batches do.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Runs `ids` through the model in chunks, filling `cache`; returns the last position's logits.
+pub fn prefill(model: &Transformer, ids: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+    let mut logits = Vec::new();
+    for chunk in ids.chunks(PREFILL_CHUNK) {
+        let input = Tensor::new(chunk, model.device())?.unsqueeze(0)?;
+        logits = model
+            .forward_last(&input, cache)?
+            .squeeze(0)?
+            .to_vec1::<f32>()?;
+    }
+    Ok(logits)
+}
+
 /// Generates up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each complete
 /// piece of text. The cache is sized for prompt + new tokens, capped at the context length.
 pub fn generate(

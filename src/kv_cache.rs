@@ -91,6 +91,34 @@ impl KvCache {
         })
     }
 
+    /// For MLA models, a cache of the up-projected per-head K and V instead of the latent,
+    /// the memory MHA with the same heads would need. For comparisons only (`bench
+    /// --mla-cache expanded`); other models get their usual cache.
+    pub fn expanded(
+        cfg: &ModelConfig,
+        capacity: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        let AttentionConfig::Mla(m) = &cfg.attention else {
+            return Self::new(cfg, capacity, dtype, dev);
+        };
+        let mut cache = Self::new(cfg, capacity, dtype, dev)?;
+        let h = cfg.num_attention_heads;
+        for entry in cache.layers.iter_mut() {
+            let k = Tensor::zeros(
+                (1, h, capacity, m.qk_nope_head_dim + m.qk_rope_head_dim),
+                dtype,
+                dev,
+            )?;
+            let v = Tensor::zeros((1, h, capacity, m.v_head_dim), dtype, dev)?;
+            *entry = LayerCache::Kv { k, v };
+        }
+        cache.bytes_per_token =
+            cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * dtype.size_in_bytes();
+        Ok(cache)
+    }
+
     /// Positions filled so far (the position of the next token).
     pub fn len(&self) -> usize {
         self.len

@@ -42,23 +42,29 @@ enum Command {
         json: bool,
     },
     /// Time prefill and decode on synthetic ids (a checkpoint, or random weights from a config).
-    Bench {
-        #[arg(long, conflicts_with = "config", required_unless_present = "config")]
-        model: Option<String>,
-        /// A config.json: random weights, no checkpoint needed.
-        #[arg(long)]
-        config: Option<PathBuf>,
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        #[arg(long, default_value_t = 32)]
-        prompt_tokens: usize,
-        #[arg(long, default_value_t = 128)]
-        new_tokens: usize,
-        #[arg(long)]
-        json: bool,
-    },
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long, conflicts_with = "config", required_unless_present = "config")]
+    model: Option<String>,
+    /// A config.json: random weights, no checkpoint needed.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long, default_value_t = 32)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// MLA models: cache `latent` (default) or the up-projected per-head K/V (`expanded`).
+    #[arg(long, default_value = "latent", value_parser = ["latent", "expanded"])]
+    mla_cache: String,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -248,6 +254,42 @@ fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
     Ok(())
 }
 
+fn run_bench(b: BenchArgs) -> Result<()> {
+    let dtype = loader::parse_dtype(&b.dtype)?;
+    let device = loader::parse_device(&b.device)?;
+    let loaded = match (&b.model, &b.config) {
+        (Some(m), _) => loader::load(&loader::resolve(m)?, dtype, &device)?,
+        (None, Some(c)) => loader::random(&loader::config_from_file(c)?, dtype, &device)?,
+        (None, None) => bail!("bench needs --model or --config"),
+    };
+    let expanded = b.mla_cache == "expanded";
+    let r = bench::run(
+        &loaded.model,
+        loaded.weight_bytes,
+        b.prompt_tokens,
+        b.new_tokens,
+        expanded,
+    )?;
+    let mut out = serde_json::to_value(&r)?;
+    out["peak_rss_bytes"] = json!(bench::peak_rss_bytes());
+    out["num_parameters"] = json!(loaded.num_parameters);
+    out["attention"] = json!(loaded.model.config().attention_kind());
+    if b.json {
+        println!("{out}");
+    } else {
+        println!(
+            "prefill {:.1} tok/s | decode {:.1} tok/s | {:.1} GB/s read | weights {} MB | KV {} bytes | peak RSS {} MB",
+            r.prefill_tokens_per_s,
+            r.decode_tokens_per_s,
+            r.decode_read_gb_per_s,
+            r.weight_bytes / 1_000_000,
+            r.kv_cache_bytes,
+            bench::peak_rss_bytes().unwrap_or(0) / 1_000_000
+        );
+    }
+    Ok(())
+}
+
 fn run() -> Result<()> {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -263,45 +305,7 @@ fn run() -> Result<()> {
         Command::Generate(a) => run_generate(a),
         Command::Eval { model, file, json } => run_eval(model, file, json),
         Command::Info { model, json } => run_info(model, json),
-        Command::Bench {
-            model,
-            config,
-            dtype,
-            device,
-            prompt_tokens,
-            new_tokens,
-            json,
-        } => {
-            let dt = loader::parse_dtype(&dtype)?;
-            let dev = loader::parse_device(&device)?;
-            let loaded = match (&model, &config) {
-                (Some(m), _) => loader::load(&loader::resolve(m)?, dt, &dev)?,
-                (None, Some(c)) => loader::random(&loader::config_from_file(c)?, dt, &dev)?,
-                (None, None) => bail!("bench needs --model or --config"),
-            };
-            let r = bench::run(
-                &loaded.model,
-                loaded.weight_bytes,
-                prompt_tokens,
-                new_tokens,
-            )?;
-            let mut out = serde_json::to_value(&r)?;
-            out["peak_rss_bytes"] = json!(bench::peak_rss_bytes());
-            out["num_parameters"] = json!(loaded.num_parameters);
-            if json {
-                println!("{out}");
-            } else {
-                println!(
-                    "prefill {:.1} tok/s | decode {:.1} tok/s | {:.1} GB/s read | weights {} MB | KV {} bytes",
-                    r.prefill_tokens_per_s,
-                    r.decode_tokens_per_s,
-                    r.decode_read_gb_per_s,
-                    r.weight_bytes / 1_000_000,
-                    r.kv_cache_bytes
-                );
-            }
-            Ok(())
-        }
+        Command::Bench(b) => run_bench(b),
     }
 }
 

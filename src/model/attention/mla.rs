@@ -101,7 +101,8 @@ impl MlaAttention {
         })
     }
 
-    /// One new token takes the absorbed form, a prompt the expanded one.
+    /// One new token takes the absorbed form, a prompt the expanded one. With a
+    /// [`LayerCache::Kv`] (see [`crate::KvCache::expanded`]) the up-projected K/V are cached.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -154,27 +155,33 @@ impl MlaAttention {
             .forward(&kv.narrow(D::Minus1, 0, r)?)?
             .unsqueeze(1)?;
         let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?, pos)?;
-        // 3. Cache only the latent and k_pe; read back all S positions
-        let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?; // (B, 1, S, r), (B, 1, S, rope)
-                                                            // 4. Attention in the chosen form: (B, H, T, v_head_dim)
-        let y = match form {
-            MlaForm::Expanded => self.expanded(&q_nope, &q_pe, &c_kv, &k_pe, mask)?,
-            MlaForm::Absorbed => self.absorbed(&q_nope, &q_pe, &c_kv, &k_pe, mask)?,
+        // 3-4. Cache, then attend: (B, H, T, v_head_dim)
+        let q_full = || Tensor::cat(&[&q_nope, &q_pe], D::Minus1);
+        let y = match (cache, form) {
+            // The latent cache: only c_kv and k_pe are stored; read back all S positions.
+            (LayerCache::Latent { .. }, MlaForm::Absorbed) => {
+                let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?; // (B, 1, S, r), (B, 1, S, rope)
+                self.absorbed(&q_nope, &q_pe, &c_kv, &k_pe, mask)?
+            }
+            (LayerCache::Latent { .. }, MlaForm::Expanded) => {
+                let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?;
+                let (k, v) = self.up_project(&c_kv, &k_pe)?;
+                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)?
+            }
+            // For comparison only: cache the up-projected per-head K and V, as MHA would.
+            (LayerCache::Kv { .. }, _) => {
+                let (k, v) = self.up_project(&c_kv, &k_pe)?;
+                let (k, v) = cache.write(&k, &v, pos)?; // (B, H, S, nope + rope), (B, H, S, v)
+                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)?
+            }
         };
         // 5. Merge heads, output projection
         let y = y.transpose(1, 2)?.reshape((b, t, h * m.v_head_dim))?;
         self.o_proj.forward(&y)
     }
 
-    /// Per-head K = [C·W_UKᵀ, k_pe], V = C·W_UVᵀ, then ordinary attention.
-    fn expanded(
-        &self,
-        q_nope: &Tensor,
-        q_pe: &Tensor,
-        c_kv: &Tensor,
-        k_pe: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).
+    fn up_project(&self, c_kv: &Tensor, k_pe: &Tensor) -> Result<(Tensor, Tensor)> {
         let m = &self.cfg;
         let (b, s, h) = (c_kv.dim(0)?, c_kv.dim(2)?, self.num_heads);
         let kv = self.kv_b_proj.forward(&c_kv.squeeze(1)?)?; // (B, S, H·(nope + v))
@@ -184,11 +191,10 @@ impl MlaAttention {
         let k_nope = kv.narrow(D::Minus1, 0, m.qk_nope_head_dim)?;
         let v = kv
             .narrow(D::Minus1, m.qk_nope_head_dim, m.v_head_dim)?
-            .contiguous()?; // (B, H, S, v)
+            .contiguous()?;
         let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
-        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?; // (B, H, S, nope + rope)
-        let q = Tensor::cat(&[q_nope, q_pe], D::Minus1)?;
-        sdpa(&q, &k, &v, m.softmax_scale, mask)
+        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
+        Ok((k, v))
     }
 
     /// Attend over the latents as one shared "head" of width kv_lora_rank (like MQA).
