@@ -15,7 +15,11 @@ fn checkpoint() -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
-    assert!(std::env::var_os("TINY_DECODER_REQUIRE_SHARED").is_none(), "missing {}", dir.display());
+    assert!(
+        std::env::var_os("TINY_DECODER_REQUIRE_SHARED").is_none(),
+        "missing {}",
+        dir.display()
+    );
     eprintln!("skipped: {} not found", dir.display());
     None
 }
@@ -23,7 +27,9 @@ fn checkpoint() -> Option<PathBuf> {
 #[test]
 fn stories260k_matches_transformers() {
     let Some(dir) = checkpoint() else { return };
-    let r = reference(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories260k_reference.json"));
+    let r = reference(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories260k_reference.json"),
+    );
     let loaded = load_dir(&dir, DType::F32);
     let tok = loaded.tokenizer.as_ref().unwrap();
 
@@ -40,10 +46,17 @@ fn stories260k_matches_transformers() {
     let got = greedy(&loaded, &prompt, want.len());
     assert_eq!(got, want, "greedy ids");
     let text = tok.decode(&got, true).unwrap();
-    assert!(text.starts_with(", there was a little girl named Lily"), "{text}");
+    assert!(
+        text.starts_with(", there was a little girl named Lily"),
+        "{text}"
+    );
 
     let eval_ids = tok.encode(r["eval_text"].as_str().unwrap(), true).unwrap();
     let nll = eval::evaluate(&loaded.model, eval_ids.get_ids()).unwrap();
     let want = r["mean_nll"].as_f64().unwrap();
-    assert!((nll.mean() - want).abs() < 2e-5, "mean NLL {} vs {want}", nll.mean());
+    assert!(
+        (nll.mean() - want).abs() < 2e-5,
+        "mean NLL {} vs {want}",
+        nll.mean()
+    );
 }

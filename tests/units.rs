@@ -16,11 +16,20 @@ const NEG: f32 = f32::NEG_INFINITY;
 #[test]
 fn causal_mask_drawn_as_a_matrix() {
     // 2 new queries after 2 cached keys.
-    let m = causal_mask(2, 4, usize::MAX, DType::F32, &Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+    let m = causal_mask(2, 4, usize::MAX, DType::F32, &Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     assert_eq!(m, vec![vec![0., 0., 0., NEG], vec![0., 0., 0., 0.]]);
     // Sliding window of 2: each query sees itself and one key back.
-    let m = causal_mask(3, 3, 2, DType::F32, &Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
-    assert_eq!(m, vec![vec![0., NEG, NEG], vec![0., 0., NEG], vec![NEG, 0., 0.]]);
+    let m = causal_mask(3, 3, 2, DType::F32, &Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(
+        m,
+        vec![vec![0., NEG, NEG], vec![0., 0., NEG], vec![NEG, 0., 0.]]
+    );
 }
 
 #[test]
@@ -28,13 +37,22 @@ fn filters_keep_exactly_the_expected_tokens() {
     // probs at temperature 1: softmax of ln([0.5, 0.25, 0.15, 0.1])
     let logits: Vec<f32> = [0.5f32, 0.25, 0.15, 0.1].iter().map(|p| p.ln()).collect();
     let ids = |v: Vec<(u32, f32)>| v.into_iter().map(|(i, _)| i).collect::<Vec<_>>();
-    assert_eq!(ids(filtered_probs(&logits, 1.0, 0, 1.0, 0.0)), vec![0, 1, 2, 3]);
+    assert_eq!(
+        ids(filtered_probs(&logits, 1.0, 0, 1.0, 0.0)),
+        vec![0, 1, 2, 3]
+    );
     assert_eq!(ids(filtered_probs(&logits, 1.0, 2, 1.0, 0.0)), vec![0, 1]);
     // top-p 0.7: 0.5 < 0.7, 0.75 >= 0.7 -> two tokens; 0.76 needs the third.
     assert_eq!(ids(filtered_probs(&logits, 1.0, 0, 0.7, 0.0)), vec![0, 1]);
-    assert_eq!(ids(filtered_probs(&logits, 1.0, 0, 0.76, 0.0)), vec![0, 1, 2]);
+    assert_eq!(
+        ids(filtered_probs(&logits, 1.0, 0, 0.76, 0.0)),
+        vec![0, 1, 2]
+    );
     // min-p 0.25: threshold 0.125 keeps 0.5, 0.25, 0.15.
-    assert_eq!(ids(filtered_probs(&logits, 1.0, 0, 1.0, 0.25)), vec![0, 1, 2]);
+    assert_eq!(
+        ids(filtered_probs(&logits, 1.0, 0, 1.0, 0.25)),
+        vec![0, 1, 2]
+    );
     // top-k 3 renormalises before top-p: 0.5/0.9 = 0.556 < 0.6 -> two tokens.
     assert_eq!(ids(filtered_probs(&logits, 1.0, 3, 0.6, 0.0)), vec![0, 1]);
     // Temperature 0.5 squares the probabilities: 0.25 / (0.25 + 0.0625 + 0.0225 + 0.01).
@@ -54,15 +72,29 @@ fn greedy_and_seeded_sampling() {
     let logits = vec![0.1, 3.0, 0.2, 2.9];
     let mut greedy = Sampler::new(&SamplingParams::default()).unwrap();
     assert_eq!(greedy.sample(&logits, &[]), 1);
-    let params = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed: 7,
+        ..Default::default()
+    };
     let draw = |p: &SamplingParams| {
         let mut s = Sampler::new(p).unwrap();
         (0..64).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
     };
     let a = draw(&params);
     assert_eq!(a, draw(&params), "same seed, same tokens");
-    assert_ne!(a, draw(&SamplingParams { seed: 8, ..params.clone() }), "another seed differs");
-    assert!(a.contains(&1) && a.contains(&3), "both likely tokens are drawn");
+    assert_ne!(
+        a,
+        draw(&SamplingParams {
+            seed: 8,
+            ..params.clone()
+        }),
+        "another seed differs"
+    );
+    assert!(
+        a.contains(&1) && a.contains(&3),
+        "both likely tokens are drawn"
+    );
     // top-k 1 is greedy whatever the seed.
     let top1 = SamplingParams { top_k: 1, ..params };
     assert!(draw(&top1).iter().all(|&t| t == 1));
@@ -71,11 +103,26 @@ fn greedy_and_seeded_sampling() {
 #[test]
 fn sampler_rejects_bad_flags() {
     for p in [
-        SamplingParams { temperature: -1.0, ..Default::default() },
-        SamplingParams { top_p: 0.0, ..Default::default() },
-        SamplingParams { top_p: 1.5, ..Default::default() },
-        SamplingParams { min_p: -0.1, ..Default::default() },
-        SamplingParams { repeat_penalty: 0.0, ..Default::default() },
+        SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        },
+        SamplingParams {
+            min_p: -0.1,
+            ..Default::default()
+        },
+        SamplingParams {
+            repeat_penalty: 0.0,
+            ..Default::default()
+        },
     ] {
         let err = Sampler::new(&p).err().expect("rejected").to_string();
         assert!(err.starts_with("--"), "{err}");
@@ -86,7 +133,10 @@ fn sampler_rejects_bad_flags() {
 fn cache_writes_in_place_and_resets() {
     let dev = Device::Cpu;
     let k = Tensor::zeros((1, 2, 4, 3), DType::F32, &dev).unwrap();
-    let entry = LayerCache::Kv { k: k.clone(), v: k.zeros_like().unwrap() };
+    let entry = LayerCache::Kv {
+        k: k.clone(),
+        v: k.zeros_like().unwrap(),
+    };
     let step = |x: f32, t: usize| Tensor::full(x, (1, 2, t, 3), &dev).unwrap();
     let (k1, _) = entry.write(&step(1.0, 2), &step(-1.0, 2), 0).unwrap();
     assert_eq!(k1.dims(), &[1, 2, 2, 3]);
@@ -118,8 +168,18 @@ fn grouped_sdpa_equals_per_head_reference() {
         let v = Tensor::randn(0f32, 1.0, (1, g, s, 5), &dev).unwrap();
         let mask = causal_mask(t, s, usize::MAX, DType::F32, &dev).unwrap();
         let mask = (t > 1).then_some(&mask);
-        let ours = sdpa(&q, &k, &v, 0.3, mask).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let want = naive_attention(&q, &k, &v, 0.3, mask).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let ours = sdpa(&q, &k, &v, 0.3, mask)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let want = naive_attention(&q, &k, &v, 0.3, mask)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let diff = common::max_abs_diff(&ours, &want);
         assert!(diff < 1e-5, "h={h} g={g}: {diff}");
     }
@@ -127,28 +187,44 @@ fn grouped_sdpa_equals_per_head_reference() {
 
 fn config_error(edit: impl Fn(&mut serde_json::Value)) -> String {
     let path = common::fixture_dir("llama-mha-tied").join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     edit(&mut v);
     let hf: HfConfig = match serde_json::from_value(v) {
         Ok(hf) => hf,
         Err(e) => return e.to_string(),
     };
-    hf.validate().err().expect("invalid config accepted").to_string()
+    hf.validate()
+        .err()
+        .expect("invalid config accepted")
+        .to_string()
 }
 
 #[test]
 fn impossible_configs_name_the_field() {
     let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
-        ("num_key_value_heads", Box::new(|v| v["num_key_value_heads"] = 3.into())),
+        (
+            "num_key_value_heads",
+            Box::new(|v| v["num_key_value_heads"] = 3.into()),
+        ),
         ("hidden_size", Box::new(|v| v["hidden_size"] = 0.into())),
-        ("num_hidden_layers", Box::new(|v| v["num_hidden_layers"] = (-1).into())),
+        (
+            "num_hidden_layers",
+            Box::new(|v| v["num_hidden_layers"] = (-1).into()),
+        ),
         ("model_type", Box::new(|v| v["model_type"] = "gpt2".into())),
-        ("rope_type", Box::new(|v| v["rope_parameters"]["rope_type"] = "dynamic".into())),
-        ("sliding_window", Box::new(|v| {
-            v["model_type"] = "qwen2".into();
-            v["use_sliding_window"] = true.into();
-            v["sliding_window"] = 16.into();
-        })),
+        (
+            "rope_type",
+            Box::new(|v| v["rope_parameters"]["rope_type"] = "dynamic".into()),
+        ),
+        (
+            "sliding_window",
+            Box::new(|v| {
+                v["model_type"] = "qwen2".into();
+                v["use_sliding_window"] = true.into();
+                v["sliding_window"] = 16.into();
+            }),
+        ),
         ("hidden_act", Box::new(|v| v["hidden_act"] = "gelu".into())),
     ];
     for (field, edit) in cases {
@@ -161,9 +237,15 @@ fn impossible_configs_name_the_field() {
 fn both_rope_layouts_resolve_alike() {
     // llama-mqa-llama3 is stored in the older layout; its new-layout twin is in reference.json.
     let dir = common::fixture_dir("llama-mqa-llama3");
-    let old = HfConfig::from_file(&dir.join("config.json")).unwrap().validate().unwrap();
+    let old = HfConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .validate()
+        .unwrap();
     let r = common::reference(&dir.join("reference.json"));
     let new: HfConfig = serde_json::from_value(r["config_new_layout"].clone()).unwrap();
     assert_eq!(old.rope, new.validate().unwrap().rope);
-    assert!(matches!(old.rope.scaling, tiny_decoder::config::RopeScaling::Llama3 { .. }));
+    assert!(matches!(
+        old.rope.scaling,
+        tiny_decoder::config::RopeScaling::Llama3 { .. }
+    ));
 }

@@ -2,7 +2,7 @@
 
 use super::attention::Attention;
 use super::mlp::Mlp;
-use super::rope::Rope;
+use super::rope::Rotation;
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerCache;
 use candle_core::{Module, Result, Tensor};
@@ -31,7 +31,7 @@ impl DecoderLayer {
     pub fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &Rotation,
         mask: Option<&Tensor>,
         cache: &LayerCache,
         pos: usize,

@@ -39,12 +39,7 @@ impl Transformer {
         } else {
             candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
-        let rope = Rope::new(
-            &cfg.rope,
-            cfg.max_position_embeddings,
-            vb.dtype(),
-            vb.device(),
-        )?;
+        let rope = Rope::new(&cfg.rope, vb.dtype(), vb.device())?;
         Ok(Self {
             embed_tokens,
             layers,
@@ -97,8 +92,9 @@ impl Transformer {
             )?),
             false => None,
         };
+        let rotation = self.rope.at(pos, t)?;
         for (layer, entry) in self.layers.iter().zip(cache.layers()) {
-            x = layer.forward(&x, &self.rope, mask.as_ref(), entry, pos)?;
+            x = layer.forward(&x, &rotation, mask.as_ref(), entry, pos)?;
         }
         cache.advance(t);
         Ok(self.norm.forward(&x)?)

@@ -5,13 +5,25 @@ use crate::config::{RopeConfig, RopeScaling, YarnScaling};
 use candle_core::{DType, Device, Result, Tensor};
 use std::f64::consts::PI;
 
-/// cos/sin tables for every position of the context.
+/// The frequencies of one model's RoPE. Angles are computed per forward for just the
+/// positions it needs, so a long context costs no table.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    /// (max_positions, dim/2), already multiplied by yarn's attention factor.
+    /// (1, dim/2) in f32, as transformers computes them.
+    inv_freq: Tensor,
+    /// yarn's attention factor, multiplying cos and sin (1 otherwise).
+    attention_factor: f64,
+    /// Pairs (2i, 2i+1) when true, (i, i + dim/2) otherwise (Llama's `rotate_half`).
+    interleaved: bool,
+    dtype: DType,
+}
+
+/// cos/sin for positions `pos..pos + T`, shared by every layer of one forward.
+#[derive(Debug, Clone)]
+pub struct Rotation {
+    /// (T, dim/2) each.
     cos: Tensor,
     sin: Tensor,
-    /// Pairs (2i, 2i+1) when true, (i, i + dim/2) otherwise (Llama's `rotate_half`).
     interleaved: bool,
 }
 
@@ -76,39 +88,38 @@ fn yarn_inv_freq(base: &[f64], cfg: &RopeConfig, y: &YarnScaling) -> Vec<f64> {
 }
 
 impl Rope {
-    pub fn new(cfg: &RopeConfig, max_positions: usize, dtype: DType, dev: &Device) -> Result<Self> {
-        let inv_freq = inv_freq(cfg);
+    pub fn new(cfg: &RopeConfig, dtype: DType, dev: &Device) -> Result<Self> {
         let attention_factor = match &cfg.scaling {
             RopeScaling::Yarn(y) => y.attention_factor,
             _ => 1.0,
         };
-        // transformers computes the angles in f32: do the same so long contexts match it.
-        let inv_freq: Vec<f32> = inv_freq.iter().map(|&f| f as f32).collect();
+        let inv_freq: Vec<f32> = inv_freq(cfg).iter().map(|&f| f as f32).collect();
         let half = inv_freq.len();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
-        let positions = Tensor::arange(0u32, max_positions as u32, dev)?
-            .to_dtype(DType::F32)?
-            .reshape((max_positions, 1))?;
-        let angles = positions.matmul(&inv_freq)?; // (T, dim/2)
-        let cos = (angles.cos()? * attention_factor)?.to_dtype(dtype)?;
-        let sin = (angles.sin()? * attention_factor)?.to_dtype(dtype)?;
-        Ok(Self {
-            cos,
-            sin,
-            interleaved: cfg.interleaved,
-        })
+        Ok(Self { inv_freq, attention_factor, interleaved: cfg.interleaved, dtype })
     }
 
-    /// Rotates `x` (B, H, T, D) whose first token sits at position `pos`.
-    pub fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
-        let t = x.dim(2)?;
-        let cos = self.cos.narrow(0, pos, t)?;
-        let sin = self.sin.narrow(0, pos, t)?;
+    /// The rotation for `t` tokens starting at position `pos`.
+    pub fn at(&self, pos: usize, t: usize) -> Result<Rotation> {
+        let dev = self.inv_freq.device();
+        let positions = Tensor::arange(pos as u32, (pos + t) as u32, dev)?
+            .to_dtype(DType::F32)?
+            .reshape((t, 1))?;
+        let angles = positions.matmul(&self.inv_freq)?; // (T, dim/2), in f32 like transformers
+        let cos = (angles.cos()? * self.attention_factor)?.to_dtype(self.dtype)?;
+        let sin = (angles.sin()? * self.attention_factor)?.to_dtype(self.dtype)?;
+        Ok(Rotation { cos, sin, interleaved: self.interleaved })
+    }
+}
+
+impl Rotation {
+    /// Rotates `x` (B, H, T, D).
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
         if self.interleaved {
-            candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
+            candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)
         } else {
-            candle_nn::rotary_emb::rope(&x, &cos, &sin)
+            candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)
         }
     }
 }

@@ -4,7 +4,7 @@
 use super::sdpa;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
-use crate::model::rope::Rope;
+use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor};
 use candle_nn::{linear_b, rms_norm, Linear, RmsNorm, VarBuilder};
 
@@ -56,7 +56,7 @@ impl GqaAttention {
     pub fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &Rotation,
         mask: Option<&Tensor>,
         cache: &LayerCache,
         pos: usize,
@@ -73,8 +73,8 @@ impl GqaAttention {
             k = k_norm.forward(&k)?;
         }
         // 3. RoPE on (B, H, T, D)
-        let q = rope.apply(&q.transpose(1, 2)?, pos)?;
-        let k = rope.apply(&k.transpose(1, 2)?, pos)?;
+        let q = rope.apply(&q.transpose(1, 2)?)?;
+        let k = rope.apply(&k.transpose(1, 2)?)?;
         let v = v.transpose(1, 2)?; // (B, G, T, D)
                                     // 4. Write this step into the cache, attend over everything cached
         let (k, v) = cache.write(&k, &v, pos)?; // (B, G, S, D)

@@ -10,7 +10,7 @@
 use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
-use crate::model::rope::Rope;
+use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{linear_b, linear_no_bias, rms_norm, Linear, RmsNorm, VarBuilder};
 
@@ -106,7 +106,7 @@ impl MlaAttention {
     pub fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &Rotation,
         mask: Option<&Tensor>,
         cache: &LayerCache,
         pos: usize,
@@ -122,7 +122,7 @@ impl MlaAttention {
     pub fn forward_form(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &Rotation,
         mask: Option<&Tensor>,
         cache: &LayerCache,
         pos: usize,
@@ -147,14 +147,14 @@ impl MlaAttention {
         };
         let q = q.reshape((b, t, h, nope + rope_dim))?.transpose(1, 2)?;
         let q_nope = q.narrow(D::Minus1, 0, nope)?;
-        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?, pos)?; // (B, H, T, rope)
+        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?)?; // (B, H, T, rope)
                                                                             // 2. Latent and shared RoPE key: (B, 1, T, r) and (B, 1, T, rope)
         let kv = self.kv_a_proj_with_mqa.forward(x)?;
         let c_kv = self
             .kv_a_layernorm
             .forward(&kv.narrow(D::Minus1, 0, r)?)?
             .unsqueeze(1)?;
-        let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?, pos)?;
+        let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?)?;
         // 3-4. Cache, then attend: (B, H, T, v_head_dim)
         let q_full = || Tensor::cat(&[&q_nope, &q_pe], D::Minus1);
         let y = match (cache, form) {

@@ -7,7 +7,7 @@ mod mla;
 pub use gqa::GqaAttention;
 pub use mla::MlaAttention;
 
-use super::rope::Rope;
+use super::rope::Rotation;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -31,7 +31,7 @@ impl Attention {
     pub fn forward(
         &self,
         x: &Tensor,
-        rope: &Rope,
+        rope: &Rotation,
         mask: Option<&Tensor>,
         cache: &LayerCache,
         pos: usize,
