@@ -41,7 +41,14 @@ pub fn candle_message(e: &candle_core::Error) -> String {
     match e {
         E::WithBacktrace { inner, .. } => candle_message(inner),
         E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
-        E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        E::WithPath { inner, path } => {
+            let inner = candle_message(inner);
+            let path = path.display().to_string();
+            match inner.starts_with(&path) {
+                true => inner,
+                false => format!("{path}: {inner}"),
+            }
+        }
         other => other
             .to_string()
             .lines()

@@ -169,8 +169,8 @@ pub fn load(files: &ModelFiles, dtype: DType, device: &Device) -> Result<Loaded>
         }
         // Parse every header up front so a broken file is named in the error.
         // SAFETY: the mapping is read-only; the file must not change while the model lives.
-        unsafe { MmapedSafetensors::new(path) }
-            .map_err(|e| Error::file(path, candle_message(&e)))?;
+        // candle's message already names the file.
+        unsafe { MmapedSafetensors::new(path) }.map_err(|e| Error::Weights(candle_message(&e)))?;
     }
     // SAFETY: as above.
     let tensors = unsafe { MmapedSafetensors::multi(&files.weights) }?;
