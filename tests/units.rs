@@ -195,14 +195,14 @@ fn config_error(edit: impl Fn(&mut serde_json::Value)) -> String {
         Err(e) => return e.to_string(),
     };
     hf.validate()
-        .err()
-        .expect("invalid config accepted")
+        .expect_err("invalid config accepted")
         .to_string()
 }
 
 #[test]
 fn impossible_configs_name_the_field() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "num_key_value_heads",
             Box::new(|v| v["num_key_value_heads"] = 3.into()),

@@ -98,7 +98,7 @@ pub(super) fn resolve(
         softmax_scale: 0.0,
         bias: hf.attention_bias,
     };
-    if mla.qk_rope_head_dim % 2 != 0 {
+    if !mla.qk_rope_head_dim.is_multiple_of(2) {
         return Err(Error::Config(format!(
             "qk_rope_head_dim ({}) must be even for RoPE",
             mla.qk_rope_head_dim
@@ -119,7 +119,7 @@ pub(super) fn resolve(
         ..mla
     };
 
-    let layers = super::positive("num_hidden_layers", hf.num_hidden_layers)?;
+    let layers = super::num_layers(hf)?;
     let dense = super::MlpConfig::Dense {
         intermediate_size: super::positive("intermediate_size", hf.intermediate_size)?,
         bias: false,

@@ -186,14 +186,30 @@ pub struct ModelConfig {
     pub mlp: Vec<MlpConfig>,
 }
 
+/// Larger than any real model's size field; keeps products of sizes far from overflow.
+const MAX_SIZE: i64 = 1 << 24;
+
 /// A size field that must be a positive integer.
 pub(crate) fn positive(field: &str, value: i64) -> Result<usize> {
-    if value <= 0 {
-        return Err(Error::Config(format!(
-            "{field} must be positive, got {value}"
-        )));
+    if value <= 0 || value > MAX_SIZE {
+        let msg = format!("{field} must be between 1 and {MAX_SIZE}, got {value}");
+        return Err(Error::Config(msg));
     }
     Ok(value as usize)
+}
+
+/// More layers than any real model has; bounds the per-layer tables built from the config.
+const MAX_LAYERS: i64 = 4096;
+
+/// `num_hidden_layers`, checked.
+pub(crate) fn num_layers(hf: &HfConfig) -> Result<usize> {
+    if hf.num_hidden_layers > MAX_LAYERS {
+        return Err(Error::Config(format!(
+            "num_hidden_layers must be at most {MAX_LAYERS}, got {}",
+            hf.num_hidden_layers
+        )));
+    }
+    positive("num_hidden_layers", hf.num_hidden_layers)
 }
 
 impl HfConfig {
@@ -236,7 +252,7 @@ impl HfConfig {
                 )))
             }
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(Error::Config(format!(
                 "rms_norm_eps must be positive, got {}",
                 self.rms_norm_eps
@@ -250,7 +266,7 @@ impl HfConfig {
             family,
             vocab_size: positive("vocab_size", self.vocab_size)?,
             hidden_size,
-            num_hidden_layers: positive("num_hidden_layers", self.num_hidden_layers)?,
+            num_hidden_layers: num_layers(self)?,
             num_attention_heads,
             max_position_embeddings,
             sliding_window: self.sliding_window(family, max_position_embeddings)?,
@@ -293,9 +309,12 @@ impl HfConfig {
             }
         };
         if head_dim % 2 != 0 {
-            return Err(Error::Config(format!(
-                "head_dim ({head_dim}) must be even for RoPE"
-            )));
+            let msg = format!("head_dim ({head_dim}) must be even for RoPE");
+            return Err(Error::Config(msg));
+        }
+        if heads * head_dim > MAX_SIZE as usize {
+            let msg = format!("num_attention_heads × head_dim ({heads} × {head_dim}) is too large");
+            return Err(Error::Config(msg));
         }
         let qwen2 = family == Family::Qwen2;
         let attention = AttentionConfig::Gqa {
@@ -310,7 +329,7 @@ impl HfConfig {
             intermediate_size: positive("intermediate_size", self.intermediate_size)?,
             bias: self.mlp_bias,
         };
-        let layers = positive("num_hidden_layers", self.num_hidden_layers)?;
+        let layers = num_layers(self)?;
         Ok((attention, rope, vec![mlp; layers]))
     }
 
