@@ -24,10 +24,16 @@ const FIELDS: [&str; 10] = [
 ];
 
 fn scratch(case: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz").join(case);
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("fuzz")
+        .join(case);
     std::fs::create_dir_all(&dir).unwrap();
     for name in ["config.json", "model.safetensors", "tokenizer.json"] {
-        std::fs::copy(common::fixture_dir("qwen3-qknorm").join(name), dir.join(name)).unwrap();
+        std::fs::copy(
+            common::fixture_dir("qwen3-qknorm").join(name),
+            dir.join(name),
+        )
+        .unwrap();
     }
     dir
 }

@@ -96,7 +96,12 @@ impl Rope {
         let inv_freq: Vec<f32> = inv_freq(cfg).iter().map(|&f| f as f32).collect();
         let half = inv_freq.len();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), dev)?;
-        Ok(Self { inv_freq, attention_factor, interleaved: cfg.interleaved, dtype })
+        Ok(Self {
+            inv_freq,
+            attention_factor,
+            interleaved: cfg.interleaved,
+            dtype,
+        })
     }
 
     /// The rotation for `t` tokens starting at position `pos`.
@@ -108,7 +113,11 @@ impl Rope {
         let angles = positions.matmul(&self.inv_freq)?; // (T, dim/2), in f32 like transformers
         let cos = (angles.cos()? * self.attention_factor)?.to_dtype(self.dtype)?;
         let sin = (angles.sin()? * self.attention_factor)?.to_dtype(self.dtype)?;
-        Ok(Rotation { cos, sin, interleaved: self.interleaved })
+        Ok(Rotation {
+            cos,
+            sin,
+            interleaved: self.interleaved,
+        })
     }
 }
 

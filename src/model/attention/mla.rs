@@ -147,8 +147,9 @@ impl MlaAttention {
         };
         let q = q.reshape((b, t, h, nope + rope_dim))?.transpose(1, 2)?;
         let q_nope = q.narrow(D::Minus1, 0, nope)?;
-        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?)?; // (B, H, T, rope)
-                                                                            // 2. Latent and shared RoPE key: (B, 1, T, r) and (B, 1, T, rope)
+        // (B, H, T, rope)
+        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?)?;
+        // 2. Latent and shared RoPE key: (B, 1, T, r) and (B, 1, T, rope)
         let kv = self.kv_a_proj_with_mqa.forward(x)?;
         let c_kv = self
             .kv_a_layernorm
