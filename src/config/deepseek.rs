@@ -19,7 +19,6 @@ pub struct HfDeepseek {
     pub num_experts_per_tok: Option<i64>,
     pub moe_intermediate_size: Option<i64>,
     pub first_k_dense_replace: Option<i64>,
-    pub moe_layer_freq: Option<i64>,
     pub n_group: Option<i64>,
     pub topk_group: Option<i64>,
     pub topk_method: Option<String>,
@@ -122,27 +121,25 @@ pub(super) fn resolve(
     let layers = super::num_layers(hf)?;
     let dense = super::MlpConfig::Dense {
         intermediate_size: super::positive("intermediate_size", hf.intermediate_size)?,
-        bias: false,
+        bias: hf.mlp_bias,
     };
+    // As transformers builds it: dense MLPs before `first_k_dense_replace`, MoE from there on
+    // (`moe_layer_freq`, found in some hub configs, is not read by transformers either).
+    let first_dense = d.first_k_dense_replace.unwrap_or(0).max(0) as usize;
     let mlp = match d.n_routed_experts {
-        None | Some(0) => vec![dense; layers],
-        Some(_) => {
+        Some(n) if n > 0 && first_dense < layers => {
             let moe = super::MlpConfig::Moe(moe(d, family)?);
-            let first_dense = d.first_k_dense_replace.unwrap_or(0).max(0) as usize;
-            let freq = match d.moe_layer_freq {
-                Some(f) => super::positive("moe_layer_freq", f)?,
-                None => 1,
-            };
             (0..layers)
                 .map(|i| {
-                    if i >= first_dense && i % freq == 0 {
-                        moe.clone()
-                    } else {
+                    if i < first_dense {
                         dense.clone()
+                    } else {
+                        moe.clone()
                     }
                 })
                 .collect()
         }
+        _ => vec![dense; layers],
     };
     Ok((super::AttentionConfig::Mla(mla), rope, mlp))
 }
