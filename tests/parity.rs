@@ -32,6 +32,7 @@ fn check_fixture(name: &str) {
         .zip(&theirs)
         .map(|(a, b)| max_abs_diff(a, b))
         .fold(0.0, f32::max);
+    eprintln!("{name}: max logit diff {diff:.2e}");
     assert!(diff < 1e-4, "{name}: logits differ by {diff}");
 
     // 3. Greedy ids through the cache, without and with EOS stopping.
@@ -77,6 +78,7 @@ fn check_fixture(name: &str) {
     );
     let nll = eval::evaluate(&loaded.model, &eval_ids).unwrap();
     let want = r["mean_nll"].as_f64().unwrap();
+    eprintln!("{name}: NLL diff {:.2e}", (nll.mean() - want).abs());
     assert!(
         (nll.mean() - want).abs() < 2e-5,
         "{name}: mean NLL {} vs {want}",
