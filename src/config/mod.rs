@@ -3,10 +3,12 @@
 //! with no `Option`s, rejecting what the engine cannot run with a message naming the field.
 
 pub mod deepseek;
+mod gqa;
 mod rope;
 
 use crate::error::{Error, Result};
 pub use deepseek::{MlaConfig, MoeConfig, Router};
+pub use rope::{HfRope, RopeConfig, RopeScaling, YarnScaling};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -25,27 +27,6 @@ impl TokenIds {
             TokenIds::Many(ids) => ids.clone(),
         }
     }
-}
-
-/// RoPE parameters: transformers 5's `rope_parameters`, or an older top-level `rope_scaling`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct HfRope {
-    pub rope_type: Option<String>,
-    /// Older checkpoints spell `rope_type` as `type`.
-    #[serde(rename = "type")]
-    pub type_: Option<String>,
-    pub rope_theta: Option<f64>,
-    pub factor: Option<f64>,
-    pub low_freq_factor: Option<f64>,
-    pub high_freq_factor: Option<f64>,
-    pub original_max_position_embeddings: Option<usize>,
-    pub beta_fast: Option<f64>,
-    pub beta_slow: Option<f64>,
-    pub mscale: Option<f64>,
-    pub mscale_all_dim: Option<f64>,
-    pub attention_factor: Option<f64>,
-    pub truncate: Option<bool>,
-    pub partial_rotary_factor: Option<f64>,
 }
 
 /// config.json exactly as found on the hub.
@@ -113,46 +94,6 @@ pub enum AttentionConfig {
     },
     /// DeepSeek's multi-head latent attention.
     Mla(deepseek::MlaConfig),
-}
-
-/// RoPE frequency scaling, one variant per `rope_type` the engine implements.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    Default,
-    Linear {
-        factor: f64,
-    },
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max: usize,
-    },
-    Yarn(YarnScaling),
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct YarnScaling {
-    /// The factor the frequencies are interpolated by.
-    pub factor: f64,
-    pub original_max: usize,
-    pub beta_fast: f64,
-    pub beta_slow: f64,
-    /// Multiplies cos and sin (transformers' `attention_scaling`).
-    pub attention_factor: f64,
-    pub truncate: bool,
-    /// DeepSeek's `mscale_all_dim` (0 when absent): also scales the MLA softmax.
-    pub mscale_all_dim: f64,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeConfig {
-    pub theta: f64,
-    /// Width of the rotated part of each head.
-    pub dim: usize,
-    pub scaling: RopeScaling,
-    /// Pair dimension 2i with 2i+1 (DeepSeek's `rope_interleave`) instead of i with i + dim/2.
-    pub interleaved: bool,
 }
 
 /// The MLP of one layer: dense SwiGLU, or DeepSeek's mixture of experts.
@@ -260,7 +201,7 @@ impl HfConfig {
         }
         let (attention, rope, mlp) = match family {
             Family::DeepseekV2 | Family::DeepseekV3 => deepseek::resolve(self, family)?,
-            _ => self.resolve_gqa(family)?,
+            _ => gqa::resolve(self, family)?,
         };
         Ok(ModelConfig {
             family,
@@ -269,7 +210,7 @@ impl HfConfig {
             num_hidden_layers: num_layers(self)?,
             num_attention_heads,
             max_position_embeddings,
-            sliding_window: self.sliding_window(family, max_position_embeddings)?,
+            sliding_window: gqa::sliding_window(self, family, max_position_embeddings)?,
             rms_norm_eps: self.rms_norm_eps,
             tie_word_embeddings: self.tie_word_embeddings,
             eos_token_ids: self
@@ -281,79 +222,6 @@ impl HfConfig {
             rope,
             mlp,
         })
-    }
-
-    /// Llama, Mistral, Qwen2, Qwen3: one GQA attention and a dense SwiGLU in every layer.
-    fn resolve_gqa(&self, family: Family) -> Result<(AttentionConfig, RopeConfig, Vec<MlpConfig>)> {
-        let heads = positive("num_attention_heads", self.num_attention_heads)?;
-        let num_kv_heads = match self.num_key_value_heads {
-            Some(n) => positive("num_key_value_heads", n)?,
-            None => heads,
-        };
-        if heads % num_kv_heads != 0 {
-            return Err(Error::Config(format!(
-                "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
-            )));
-        }
-        let head_dim = match self.head_dim {
-            Some(d) => positive("head_dim", d)?,
-            None => {
-                let hidden = positive("hidden_size", self.hidden_size)?;
-                if hidden % heads != 0 {
-                    return Err(Error::Config(format!(
-                        "hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) \
-                         and no head_dim is given"
-                    )));
-                }
-                hidden / heads
-            }
-        };
-        if head_dim % 2 != 0 {
-            let msg = format!("head_dim ({head_dim}) must be even for RoPE");
-            return Err(Error::Config(msg));
-        }
-        if heads * head_dim > MAX_SIZE as usize {
-            let msg = format!("num_attention_heads × head_dim ({heads} × {head_dim}) is too large");
-            return Err(Error::Config(msg));
-        }
-        let qwen2 = family == Family::Qwen2;
-        let attention = AttentionConfig::Gqa {
-            num_kv_heads,
-            head_dim,
-            qkv_bias: qwen2 || self.attention_bias,
-            o_bias: !qwen2 && self.attention_bias,
-            qk_norm: family == Family::Qwen3,
-        };
-        let rope = rope::resolve(self, head_dim, false)?;
-        let mlp = MlpConfig::Dense {
-            intermediate_size: positive("intermediate_size", self.intermediate_size)?,
-            bias: self.mlp_bias,
-        };
-        let layers = num_layers(self)?;
-        Ok((attention, rope, vec![mlp; layers]))
-    }
-
-    /// Mistral's window applies to every layer and is honoured by the attention mask. Qwen's
-    /// `use_sliding_window` mixes windowed and full layers (`max_window_layers`): rejected.
-    fn sliding_window(&self, family: Family, context: usize) -> Result<usize> {
-        let Some(window) = self.sliding_window else {
-            return Ok(context);
-        };
-        let window = positive("sliding_window", window)?;
-        let active = match family {
-            Family::Qwen2 | Family::Qwen3 => self.use_sliding_window,
-            _ => true,
-        };
-        if !active || window >= context {
-            return Ok(context);
-        }
-        if family != Family::Mistral {
-            return Err(Error::Config(format!(
-                "sliding_window ({window}) smaller than max_position_embeddings ({context}) is only \
-                 supported for mistral; set use_sliding_window to false or sliding_window to null"
-            )));
-        }
-        Ok(window)
     }
 }
 

@@ -1,7 +1,69 @@
 //! Reads RoPE parameters from either key layout: transformers 5's `rope_parameters`, or the
 //! older top-level `rope_theta` + `rope_scaling`.
 
-use super::{Error, HfConfig, HfRope, Result, RopeConfig, RopeScaling, YarnScaling};
+use super::{Error, HfConfig, Result};
+use serde::Deserialize;
+
+/// RoPE parameters: transformers 5's `rope_parameters`, or an older top-level `rope_scaling`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HfRope {
+    pub rope_type: Option<String>,
+    /// Older checkpoints spell `rope_type` as `type`.
+    #[serde(rename = "type")]
+    pub type_: Option<String>,
+    pub rope_theta: Option<f64>,
+    pub factor: Option<f64>,
+    pub low_freq_factor: Option<f64>,
+    pub high_freq_factor: Option<f64>,
+    pub original_max_position_embeddings: Option<usize>,
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub attention_factor: Option<f64>,
+    pub truncate: Option<bool>,
+    pub partial_rotary_factor: Option<f64>,
+}
+
+/// RoPE frequency scaling, one variant per `rope_type` the engine implements.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    Default,
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max: usize,
+    },
+    Yarn(YarnScaling),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct YarnScaling {
+    /// The factor the frequencies are interpolated by.
+    pub factor: f64,
+    pub original_max: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// Multiplies cos and sin (transformers' `attention_scaling`).
+    pub attention_factor: f64,
+    pub truncate: bool,
+    /// DeepSeek's `mscale_all_dim` (0 when absent): also scales the MLA softmax.
+    pub mscale_all_dim: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    /// Width of the rotated part of each head.
+    pub dim: usize,
+    pub scaling: RopeScaling,
+    /// Pair dimension 2i with 2i+1 (DeepSeek's `rope_interleave`) instead of i with i + dim/2.
+    pub interleaved: bool,
+}
 
 fn required(rope_type: &str, field: &str, value: Option<f64>) -> Result<f64> {
     match value {
