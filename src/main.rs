@@ -5,8 +5,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::io::Write;
-use std::path::PathBuf;
-use tiny_decoder::loader::{self, Loaded};
+use std::path::{Path, PathBuf};
+use tiny_decoder::loader::{self, bundled, Loaded};
 use tiny_decoder::sampling::{Sampler, SamplingParams};
 use tiny_decoder::{bench, eval, generate};
 
@@ -69,7 +69,7 @@ struct BenchArgs {
 
 #[derive(Args)]
 struct ModelArgs {
-    /// A local directory or a Hugging Face repo id.
+    /// A local directory, a Hugging Face repo id, or a bundled model name (tiny-gqa, ...).
     #[arg(long)]
     model: String,
     /// f32 (default on CPU), f16 or bf16.
@@ -82,7 +82,8 @@ struct ModelArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// A local directory or a Hugging Face repo id.
+    /// A local directory, a Hugging Face repo id, or a bundled model: tiny-mha, tiny-gqa
+    /// (the default), tiny-mqa, tiny-mla.
     #[arg(long)]
     model: Option<String>,
     #[arg(long)]
@@ -111,9 +112,13 @@ struct GenerateArgs {
     json: bool,
 }
 
+/// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...).
 fn load(model: &str, dtype: &str, device: &str) -> Result<Loaded> {
     let dtype = loader::parse_dtype(dtype)?;
     let device = loader::parse_device(device)?;
+    if let (false, Some(b)) = (Path::new(model).exists(), bundled::find(model)) {
+        return Ok(loader::load_bundled(b, dtype, &device)?);
+    }
     let files = loader::resolve(model)?;
     Ok(loader::load(&files, dtype, &device)?)
 }
@@ -135,9 +140,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
     };
     let mut sampler = Sampler::new(&params)?;
-    let Some(model_name) = a.model.as_deref() else {
-        bail!("no --model given: pass a model directory or a hub repo id");
-    };
+    let model_name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
     let loaded = load(model_name, &a.dtype, &a.device)?;
     let tok = tokenizer(&loaded, model_name)?;
     let prompt = tok
@@ -255,11 +258,15 @@ fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
 }
 
 fn run_bench(b: BenchArgs) -> Result<()> {
-    let dtype = loader::parse_dtype(&b.dtype)?;
-    let device = loader::parse_device(&b.device)?;
     let loaded = match (&b.model, &b.config) {
-        (Some(m), _) => loader::load(&loader::resolve(m)?, dtype, &device)?,
-        (None, Some(c)) => loader::random(&loader::config_from_file(c)?, dtype, &device)?,
+        (Some(m), _) => load(m, &b.dtype, &b.device)?,
+        (None, Some(c)) => {
+            let (dtype, device) = (
+                loader::parse_dtype(&b.dtype)?,
+                loader::parse_device(&b.device)?,
+            );
+            loader::random(&loader::config_from_file(c)?, dtype, &device)?
+        }
         (None, None) => bail!("bench needs --model or --config"),
     };
     let expanded = b.mla_cache == "expanded";

@@ -135,6 +135,7 @@ pub(crate) fn index_shards(index: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+pub mod bundled;
 mod hub;
 
 /// Reads and validates config.json; `generation_config.json`'s EOS ids win when present.
@@ -195,6 +196,21 @@ pub fn load(files: &ModelFiles, dtype: DType, device: &Device) -> Result<Loaded>
     };
     Ok(Loaded {
         tokenizer,
+        ..loaded
+    })
+}
+
+/// Loads a model compiled into the binary (see [`bundled`]).
+pub fn load_bundled(b: &bundled::Bundled, dtype: DType, device: &Device) -> Result<Loaded> {
+    let hf: HfConfig = serde_json::from_str(b.config)
+        .map_err(|e| Error::Invalid(format!("bundled {}: config.json: {e}", b.name)))?;
+    let cfg = hf.validate()?;
+    let tensors = candle_core::safetensors::SliceSafetensors::new(b.weights)?;
+    let loaded = build(&cfg, Box::new(tensors), dtype, device)?;
+    let tokenizer = Tokenizer::from_bytes(b.tokenizer)
+        .map_err(|e| Error::Tokenizer(format!("bundled {}: {e}", b.name)))?;
+    Ok(Loaded {
+        tokenizer: Some(tokenizer),
         ..loaded
     })
 }

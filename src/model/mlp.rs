@@ -1,9 +1,10 @@
 //! The feed-forward part of a layer: a dense SwiGLU, or DeepSeek's mixture of experts.
 
+use super::linear::{linear_b, Linear};
 use super::moe::Moe;
 use crate::config::{MlpConfig, ModelConfig};
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{linear_b, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// `down_proj(silu(gate_proj(x)) * up_proj(x))`.
 #[derive(Debug, Clone)]

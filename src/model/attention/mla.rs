@@ -10,9 +10,10 @@
 use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::{linear_b, linear_no_bias, Linear};
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor, D};
-use candle_nn::{linear_b, linear_no_bias, rms_norm, Linear, RmsNorm, VarBuilder};
+use candle_nn::{rms_norm, RmsNorm, VarBuilder};
 
 /// How the query is produced: directly, or through a low-rank bottleneck (q-LoRA).
 #[derive(Debug, Clone)]

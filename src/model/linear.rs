@@ -1,0 +1,100 @@
+//! `Linear`: candle_nn's linear layer (same constructors, same results) whose forward takes a
+//! matrix-vector kernel when the input is a single row, the case of every decode step.
+//!
+//! candle's general GEMM leaves most of the memory bandwidth unused at M = 1; [`matvec`] is
+//! an explicit-SIMD product split over a small persistent pool ([`matvec::MatVec`]). Every other case
+//! (several rows, CUDA, dtypes other than f32/bf16, a non-contiguous weight) is candle's
+//! matmul exactly as `candle_nn::Linear` runs it.
+
+pub mod matvec;
+mod pool;
+pub mod simd;
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// (out_features, in_features), as in the checkpoint. The fast path needs it contiguous
+    /// (it is, as loaded); a strided weight silently takes candle's matmul instead.
+    weight: Tensor,
+    /// (out_features,), added after the product.
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+}
+
+impl From<candle_nn::Linear> for Linear {
+    fn from(l: candle_nn::Linear) -> Self {
+        Self::new(l.weight().clone(), l.bias().cloned())
+    }
+}
+
+/// `in_dim -> out_dim`, with a bias when `bias`: candle_nn's loader and initialisers.
+pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear_b(in_dim, out_dim, bias, vb).map(Linear::from)
+}
+
+/// `in_dim -> out_dim` without a bias.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear_no_bias(in_dim, out_dim, vb).map(Linear::from)
+}
+
+/// Whether `x · wᵀ` can take the matrix-vector kernel.
+fn use_matvec(x: &Tensor, w: &Tensor) -> bool {
+    let k = x.dims().last().copied().unwrap_or(0);
+    x.device().is_cpu()
+        && x.elem_count() == k
+        && k > 0
+        && w.rank() == 2
+        && w.dim(1).ok() == Some(k)
+        && w.is_contiguous()
+        && x.dtype() == w.dtype()
+        && matches!(w.dtype(), DType::F32 | DType::BF16)
+}
+
+/// `x · wᵀ` for x (.., K) and w (N, K): the kernel for one row, candle's matmul otherwise.
+pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    match use_matvec(x, w) {
+        true => x.contiguous()?.apply_op2_no_bwd(w, &matvec::MatVec),
+        false => candle_matmul(x, w),
+    }
+}
+
+/// candle_nn::Linear's forward without the bias: reshape to 2D when contiguous, matmul.
+fn candle_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    match *x.dims() {
+        [b1, b2, m, k] if x.is_contiguous() => x
+            .reshape((b1 * b2 * m, k))?
+            .matmul(&w.t()?)?
+            .reshape((b1, b2, m, ())),
+        [b1, b2, _, _] => x.matmul(&w.broadcast_left((b1, b2))?.t()?),
+        [b, m, k] if x.is_contiguous() => {
+            x.reshape((b * m, k))?.matmul(&w.t()?)?.reshape((b, m, ()))
+        }
+        [b, _, _] => x.matmul(&w.broadcast_left(b)?.t()?),
+        _ => x.matmul(&w.t()?),
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = matvec(x, &self.weight)?;
+        match &self.bias {
+            None => Ok(y),
+            Some(bias) => y.broadcast_add(bias),
+        }
+    }
+}

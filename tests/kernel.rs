@@ -1,0 +1,263 @@
+//! The matrix-vector kernel behind `model::linear::Linear`: every instruction set against an
+//! f64 reference, the candle op against candle's matmul on ragged shapes, the fallbacks, and
+//! (ignored, run with `--release -- --ignored --nocapture`) a bandwidth and overhead probe.
+
+use candle_core::{DType, Device, Module, Tensor};
+use tiny_decoder::model::linear::simd::{self, Isa};
+use tiny_decoder::model::linear::{matvec, Linear};
+
+/// Deterministic values in [-1, 1) from a 64-bit LCG.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Sets to test on this CPU: always scalar, plus whatever it supports.
+fn isas() -> Vec<Isa> {
+    match Isa::detect() {
+        Isa::Avx512 => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512],
+        Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
+        Isa::Scalar => vec![Isa::Scalar],
+    }
+}
+
+const SHAPES: [(usize, usize); 9] = [
+    (1, 1),
+    (3, 7),
+    (5, 16),
+    (13, 17),
+    (64, 576),
+    (67, 577),
+    (192, 100),
+    (1536, 576),
+    (577, 1539),
+];
+
+fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
+    let scale = want.iter().fold(1e-6f64, |m, v| m.max(v.abs()));
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs() / scale;
+        assert!(
+            err <= rel,
+            "{what}: y[{i}] = {g}, want {w} (rel err {err:e})"
+        );
+    }
+}
+
+#[test]
+fn row_kernels_match_f64_reference() {
+    for (n, k) in SHAPES {
+        let (x, w) = (values(k, 1), values(n * k, 2));
+        let wb: Vec<u16> = w
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let dot = |row: &dyn Fn(usize) -> f64| (0..n).map(row).collect::<Vec<f64>>();
+        let want = dot(&|r| (0..k).map(|i| x[i] as f64 * w[r * k + i] as f64).sum());
+        let widen = |b: u16| f32::from_bits((b as u32) << 16) as f64;
+        let want_b = dot(&|r| (0..k).map(|i| x[i] as f64 * widen(wb[r * k + i])).sum());
+        for isa in isas() {
+            let mut y = vec![f32::NAN; n];
+            simd::rows_f32(isa, &x, &w, &mut y);
+            assert_close(&y, &want, 1e-5, &format!("f32 {isa:?} {n}x{k}"));
+            let mut y = vec![f32::NAN; n];
+            simd::rows_bf16(isa, &x, &wb, &mut y);
+            assert_close(&y, &want_b, 1e-5, &format!("bf16 {isa:?} {n}x{k}"));
+        }
+    }
+}
+
+#[test]
+fn matvec_matches_candle_matmul_f32() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    for (n, k) in SHAPES.iter().copied().chain([(49152, 64), (4096, 300)]) {
+        let x = Tensor::from_vec(values(k, 3), (1, 1, k), &dev)?;
+        let w = Tensor::from_vec(values(n * k, 4), (n, k), &dev)?;
+        let want = x.reshape((1, k))?.matmul(&w.t()?)?.reshape((1, 1, n))?;
+        let got = matvec(&x, &w)?;
+        assert_eq!(got.dims(), &[1, 1, n]);
+        let want: Vec<f64> = want
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        assert_close(
+            &got.flatten_all()?.to_vec1::<f32>()?,
+            &want,
+            1e-4,
+            &format!("{n}x{k}"),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn matvec_matches_candle_matmul_bf16() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    for (n, k) in SHAPES.iter().copied().chain([(3000, 576)]) {
+        let x = Tensor::from_vec(values(k, 5), (1, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::from_vec(values(n * k, 6), (n, k), &dev)?.to_dtype(DType::BF16)?;
+        let got = matvec(&x, &w)?;
+        assert_eq!(got.dtype(), DType::BF16);
+        // The reference in f32 from the same bf16 values: only the final rounding differs.
+        let want = x
+            .to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+        let want: Vec<f64> = want
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
+        let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_close(&got, &want, 1e-2, &format!("bf16 {n}x{k}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_equals_candle_nn_linear_on_every_path() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let (n, k) = (37, 45);
+    let w = Tensor::from_vec(values(n * k, 7), (n, k), &dev)?;
+    let b = Tensor::from_vec(values(n, 8), n, &dev)?;
+    let ours = Linear::new(w.clone(), Some(b.clone()));
+    let theirs = candle_nn::Linear::new(w.clone(), Some(b));
+    // (K,) alone is not in the list: candle_nn's Linear rejects it.
+    for dims in [
+        vec![1, k],
+        vec![1, 1, k],
+        vec![1, 1, 1, k],
+        vec![2, 3, k],
+        vec![4, k],
+    ] {
+        let x = Tensor::from_vec(values(dims.iter().product(), 9), dims.as_slice(), &dev)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let (x, ours, theirs) = (
+                x.to_dtype(dtype)?,
+                Linear::new(
+                    ours.weight().to_dtype(dtype)?,
+                    ours.bias().map(|b| b.to_dtype(dtype)).transpose()?,
+                ),
+                candle_nn::Linear::new(
+                    theirs.weight().to_dtype(dtype)?,
+                    theirs.bias().map(|b| b.to_dtype(dtype)).transpose()?,
+                ),
+            );
+            let (got, want) = (ours.forward(&x)?, theirs.forward(&x)?);
+            assert_eq!(got.dims(), want.dims(), "{dims:?} {dtype:?}");
+            assert_eq!(got.dtype(), want.dtype());
+            let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?;
+            let max = diff.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let tol = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
+            assert!(max <= tol, "{dims:?} {dtype:?}: max diff {max}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn strided_weight_falls_back_to_candle() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let wt = Tensor::from_vec(values(20 * 30, 10), (30, 20), &dev)?;
+    let w = wt.t()?; // (20, 30), not contiguous
+    let x = Tensor::from_vec(values(30, 11), (1, 30), &dev)?;
+    let want = x.matmul(&wt)?;
+    let got = Linear::new(w, None).forward(&x)?;
+    let diff = (got - want)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    assert!(diff < 1e-5);
+    Ok(())
+}
+
+/// Weight bytes per second through the whole op, serial and on the pool, and the cost of a
+/// tiny call (mostly the hand-off).
+#[test]
+#[ignore]
+fn probe_bandwidth_and_overhead() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    // The ceiling in this minute: one thread summing 512 MB.
+    let buf = vec![1u64; 64 << 20];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let mut acc = [0u64; 8];
+        for c in buf.chunks_exact(8) {
+            for j in 0..8 {
+                acc[j] = acc[j].wrapping_add(c[j]);
+            }
+        }
+        std::hint::black_box(acc);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "read bandwidth, 1 thread: {:.1} GB/s",
+        (buf.len() * 8) as f64 / best / 1e9
+    );
+    for dtype in [DType::F32, DType::BF16] {
+        // A SmolLM-135M layer's projections, 30 times, then the tied head: ~134M weights.
+        let mut shapes = vec![(576, 576), (192, 576), (192, 576), (576, 576)];
+        shapes.extend([(1536, 576), (1536, 576), (576, 1536)]);
+        let mut mats = Vec::new();
+        for _ in 0..30 {
+            for &(n, k) in &shapes {
+                mats.push(Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?);
+            }
+        }
+        mats.push(Tensor::randn(0f32, 1.0, (49152, 576), &dev)?.to_dtype(dtype)?);
+        let bytes: usize = mats
+            .iter()
+            .map(|m| m.elem_count() * dtype.size_in_bytes())
+            .sum();
+        let xs: Vec<Tensor> = [576, 1536]
+            .iter()
+            .map(|&k| Tensor::ones((1, k), dtype, &dev))
+            .collect::<candle_core::Result<_>>()?;
+        let x_for = |m: &Tensor| &xs[(m.dim(1).unwrap_or(576) != 576) as usize];
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            for m in &mats {
+                matvec(x_for(m), m)?;
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "{dtype:?}: {} matvecs, {:.0} MB in {:.2} ms = {:.1} GB/s",
+            mats.len(),
+            bytes as f64 / 1e6,
+            best * 1e3,
+            bytes as f64 / best / 1e9
+        );
+        let mut cands = [f64::MAX; 2];
+        for (j, &(n, k)) in [(192usize, 576usize), (64, 64)].iter().enumerate() {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
+            let x = Tensor::ones((1, k), dtype, &dev)?;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                for _ in 0..1000 {
+                    matvec(&x, &w)?;
+                }
+                cands[j] = cands[j].min(t.elapsed().as_secs_f64() / 1000.0 * 1e6);
+            }
+        }
+        println!(
+            "{dtype:?}: per call 192x576 {:.1} us (pool), 64x64 {:.1} us (serial)",
+            cands[0], cands[1]
+        );
+    }
+    Ok(())
+}
