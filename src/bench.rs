@@ -2,11 +2,9 @@
 //! reads and the effective memory bandwidth that implies. No tokenizer needed.
 
 use crate::error::Result;
-use crate::generate::prefill;
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::argmax;
-use candle_core::Tensor;
 use std::time::Instant;
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -43,16 +41,11 @@ pub fn run(
         .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
         .collect();
     let start = Instant::now();
-    let mut logits = prefill(model, &ids, &mut cache)?;
+    let mut logits = model.next_logits(&ids, &mut cache)?;
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 0..new_tokens {
-        let next = argmax(&logits);
-        let input = Tensor::new(&[next], model.device())?.unsqueeze(0)?;
-        logits = model
-            .forward_last(&input, &mut cache)?
-            .squeeze(0)?
-            .to_vec1::<f32>()?;
+        logits = model.next_logits(&[argmax(&logits)], &mut cache)?;
     }
     let decode = start.elapsed().as_secs_f64();
     let decode_tps = new_tokens as f64 / decode.max(1e-9);

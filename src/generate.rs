@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use std::time::Instant;
 use tokenizers::Tokenizer;
 
@@ -108,23 +108,6 @@ impl<'a> TokenStream<'a> {
     }
 }
 
-/// Prompt tokens per forward during prefill: bounds the (heads, chunk, context) attention
-/// scores a long prompt materialises, as llama.cpp's micro-batches do.
-pub const PREFILL_CHUNK: usize = 512;
-
-/// Runs `ids` through the model in chunks, filling `cache`; returns the last position's logits.
-pub fn prefill(model: &Transformer, ids: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
-    let mut logits = Vec::new();
-    for chunk in ids.chunks(PREFILL_CHUNK) {
-        let input = Tensor::new(chunk, model.device())?.unsqueeze(0)?;
-        logits = model
-            .forward_last(&input, cache)?
-            .squeeze(0)?
-            .to_vec1::<f32>()?;
-    }
-    Ok(logits)
-}
-
 /// Generates up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each complete
 /// piece of text. The cache is sized for prompt + new tokens, capped at the context length.
 pub fn generate(
@@ -155,11 +138,7 @@ pub fn generate(
     let mut decode_steps = 0;
 
     let start = Instant::now();
-    let ids = Tensor::new(prompt_ids, device)?.unsqueeze(0)?;
-    let mut logits = model
-        .forward_last(&ids, &mut cache)?
-        .squeeze(0)?
-        .to_vec1::<f32>()?;
+    let mut logits = model.next_logits(prompt_ids, &mut cache)?;
     let prefill_secs = start.elapsed().as_secs_f64();
 
     let start = Instant::now();
@@ -182,12 +161,8 @@ pub fn generate(
         if cache.len() == cache.capacity() {
             break StopReason::Context;
         }
-        let ids = Tensor::new(&[next], device)?.unsqueeze(0)?;
         decode_steps += 1;
-        logits = model
-            .forward_last(&ids, &mut cache)?
-            .squeeze(0)?
-            .to_vec1::<f32>()?;
+        logits = model.next_logits(&[next], &mut cache)?;
     };
     if let Some(text) = stream.flush()? {
         on_text(&text);

@@ -3,7 +3,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use common::*;
 use tiny_decoder::config::AttentionConfig;
 use tiny_decoder::sampling::{Sampler, SamplingParams};
@@ -16,14 +16,7 @@ fn decode_steps(
     mut cache: KvCache,
 ) -> Vec<Vec<f32>> {
     ids.iter()
-        .map(|&id| {
-            let input = Tensor::new(&[id], &Device::Cpu)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap();
-            let logits = loaded.model.forward_last(&input, &mut cache).unwrap();
-            logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap()
-        })
+        .map(|&id| loaded.model.next_logits(&[id], &mut cache).unwrap())
         .collect()
 }
 

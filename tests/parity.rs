@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use common::*;
 use tiny_decoder::sampling::{Sampler, SamplingParams};
 use tiny_decoder::{eval, generate, KvCache};
@@ -90,17 +90,7 @@ fn check_fixture(name: &str) {
     let model = &loaded.model;
     let mut cache = KvCache::new(model.config(), prompt.len(), DType::F32, &Device::Cpu).unwrap();
     for (i, &id) in prompt.iter().enumerate() {
-        let input = Tensor::new(&[id], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let step = model
-            .forward_last(&input, &mut cache)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let step = model.next_logits(&[id], &mut cache).unwrap();
         let diff = max_abs_diff(&step, &ours[i]);
         assert!(
             diff < 1e-4,

@@ -9,7 +9,7 @@ pub mod moe;
 pub mod rope;
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use attention::causal_mask;
 use block::DecoderLayer;
@@ -17,6 +17,10 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::{embedding, rms_norm, Embedding, RmsNorm, VarBuilder};
 use linear::Linear;
 use rope::Rope;
+
+/// Prompt tokens per forward: bounds the (heads, chunk, context) attention scores a long
+/// prompt materialises, as llama.cpp's micro-batches do.
+pub const PREFILL_CHUNK: usize = 512;
 
 #[derive(Debug, Clone)]
 pub struct Transformer {
@@ -109,5 +113,20 @@ impl Transformer {
         let t = x.dim(1)?;
         let x = x.narrow(1, t - 1, 1)?;
         Ok(self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?)
+    }
+
+    /// Feeds `ids` after what `cache` holds (a whole prompt in chunks of [`PREFILL_CHUNK`], or
+    /// one decode token) and returns the last position's logits: the one step of prefill and
+    /// decode alike.
+    pub fn next_logits(&self, ids: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let mut logits = None;
+        for chunk in ids.chunks(PREFILL_CHUNK) {
+            let input = Tensor::new(chunk, self.device())?.unsqueeze(0)?; // (1, T)
+            logits = Some(self.forward_last(&input, cache)?);
+        }
+        match logits {
+            Some(logits) => Ok(logits.squeeze(0)?.to_vec1::<f32>()?),
+            None => Err(Error::Invalid("no tokens to run".into())),
+        }
     }
 }

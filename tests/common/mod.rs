@@ -87,32 +87,12 @@ pub fn greedy(loaded: &Loaded, prompt: &[u32], n: usize) -> Vec<u32> {
         model.device(),
     )
     .unwrap();
-    let input = Tensor::new(prompt, model.device())
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let mut logits = model
-        .forward_last(&input, &mut cache)
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let mut logits = model.next_logits(prompt, &mut cache).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let next = tiny_decoder::sampling::argmax(&logits);
         out.push(next);
-        let input = Tensor::new(&[next], model.device())
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        logits = model
-            .forward_last(&input, &mut cache)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        logits = model.next_logits(&[next], &mut cache).unwrap();
     }
     out
 }
