@@ -234,7 +234,7 @@ fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         tiny_decoder::config::AttentionConfig::Mla(_) => 1,
     };
     let info = json!({
-        "model_type": format!("{:?}", cfg.family).to_lowercase().replace("deepseekv", "deepseek_v"),
+        "model_type": cfg.family.model_type(),
         "attention": cfg.attention_kind(),
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,

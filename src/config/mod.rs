@@ -78,6 +78,29 @@ pub enum Family {
     DeepseekV3,
 }
 
+impl Family {
+    pub const ALL: [Family; 6] = [
+        Family::Llama,
+        Family::Mistral,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::DeepseekV2,
+        Family::DeepseekV3,
+    ];
+
+    /// The `model_type` of config.json.
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::DeepseekV2 => "deepseek_v2",
+            Family::DeepseekV3 => "deepseek_v3",
+        }
+    }
+}
+
 /// How the attention layer is built and what the cache holds per token.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionConfig {
@@ -162,20 +185,18 @@ impl HfConfig {
     }
 
     pub fn family(&self) -> Result<Family> {
-        Ok(match self.model_type.as_str() {
-            "llama" => Family::Llama,
-            "mistral" => Family::Mistral,
-            "qwen2" => Family::Qwen2,
-            "qwen3" => Family::Qwen3,
-            "deepseek_v2" => Family::DeepseekV2,
-            "deepseek_v3" => Family::DeepseekV3,
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown model_type {other:?} (supported: llama, mistral, qwen2, qwen3, \
-                     deepseek_v2, deepseek_v3)"
-                )))
-            }
-        })
+        Family::ALL
+            .into_iter()
+            .find(|f| f.model_type() == self.model_type)
+            .ok_or_else(|| {
+                let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
+                let msg = format!(
+                    "unknown model_type {:?} (supported: {})",
+                    self.model_type,
+                    known.join(", ")
+                );
+                Error::Config(msg)
+            })
     }
 
     /// Resolves every size and rejects what the engine cannot run.
