@@ -1,7 +1,7 @@
 //! `bench`: prefill and decode speed on synthetic token ids, with the bytes each decode step
 //! reads and the effective memory bandwidth that implies. No tokenizer needed.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::argmax;
@@ -30,7 +30,14 @@ pub fn run(
     expanded_mla: bool,
 ) -> Result<BenchResult> {
     let cfg = model.config();
-    let capacity = prompt_tokens + new_tokens;
+    let capacity = prompt_tokens.saturating_add(new_tokens);
+    if prompt_tokens == 0 || capacity > cfg.max_position_embeddings {
+        return Err(Error::Invalid(format!(
+            "--prompt-tokens ({prompt_tokens}) must be at least 1 and, with --new-tokens \
+             ({new_tokens}), fit the context length ({})",
+            cfg.max_position_embeddings
+        )));
+    }
     let (dtype, dev) = (model.dtype(), model.device());
     let mut cache = match expanded_mla {
         true => KvCache::expanded(cfg, capacity, dtype, dev)?,

@@ -129,7 +129,7 @@ pub fn generate(
             prompt_ids.len()
         )));
     }
-    let capacity = (prompt_ids.len() + max_new_tokens).min(context);
+    let capacity = prompt_ids.len().saturating_add(max_new_tokens).min(context);
     let device: &Device = model.device();
     let mut cache = KvCache::new(cfg, capacity, model.dtype(), device)?;
     let mut history = prompt_ids.to_vec();
