@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::borrow::Cow;
 
 /// How the next token is picked; temperature 0 is `Greedy`, decided once.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,10 +89,15 @@ impl Sampler {
 
     /// Picks the next token from `logits` (one per vocabulary entry) given the sequence so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let mut logits = logits.to_vec();
-        if self.repeat_penalty != 1.0 {
-            apply_repeat_penalty(&mut logits, history, self.repeat_penalty);
-        }
+        // Copy the logits only when the penalty has to change them.
+        let logits: Cow<[f32]> = match self.repeat_penalty {
+            1.0 => Cow::Borrowed(logits),
+            penalty => {
+                let mut owned = logits.to_vec();
+                apply_repeat_penalty(&mut owned, history, penalty);
+                Cow::Owned(owned)
+            }
+        };
         match self.sampling {
             Sampling::Greedy => argmax(&logits),
             Sampling::Random {
