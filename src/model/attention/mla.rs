@@ -120,6 +120,7 @@ impl MlaAttention {
         self.forward_form(x, rope, mask, cache, pos, form)
     }
 
+    /// Runs the layer in the given form (`forward` picks it by T; tests compare the two).
     pub fn forward_form(
         &self,
         x: &Tensor,
