@@ -52,43 +52,7 @@ pub struct KvCache {
 impl KvCache {
     /// Allocates room for `capacity` positions (at most the model's context length).
     pub fn new(cfg: &ModelConfig, capacity: usize, dtype: DType, dev: &Device) -> Result<Self> {
-        if capacity == 0 || capacity > cfg.max_position_embeddings {
-            return Err(Error::Invalid(format!(
-                "cache capacity {capacity} must be between 1 and the context length ({})",
-                cfg.max_position_embeddings
-            )));
-        }
-        let (shape_a, shape_b) = match &cfg.attention {
-            AttentionConfig::Gqa {
-                num_kv_heads,
-                head_dim,
-                ..
-            } => (
-                (1, *num_kv_heads, capacity, *head_dim),
-                (1, *num_kv_heads, capacity, *head_dim),
-            ),
-            AttentionConfig::Mla(m) => (
-                (1, 1, capacity, m.kv_lora_rank),
-                (1, 1, capacity, m.qk_rope_head_dim),
-            ),
-        };
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|_| {
-                let a = Tensor::zeros(shape_a, dtype, dev)?;
-                let b = Tensor::zeros(shape_b, dtype, dev)?;
-                Ok(match cfg.attention {
-                    AttentionConfig::Gqa { .. } => LayerCache::Kv { k: a, v: b },
-                    AttentionConfig::Mla(_) => LayerCache::Latent { c_kv: a, k_pe: b },
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let bytes_per_token = cfg.kv_bytes_per_token(dtype.size_in_bytes());
-        Ok(Self {
-            layers,
-            len: 0,
-            capacity,
-            bytes_per_token,
-        })
+        Self::build(cfg, capacity, dtype, dev, false)
     }
 
     /// For MLA models, a cache of the up-projected per-head K and V instead of the latent,
@@ -100,23 +64,61 @@ impl KvCache {
         dtype: DType,
         dev: &Device,
     ) -> Result<Self> {
-        let AttentionConfig::Mla(m) = &cfg.attention else {
-            return Self::new(cfg, capacity, dtype, dev);
-        };
-        let mut cache = Self::new(cfg, capacity, dtype, dev)?;
-        let h = cfg.num_attention_heads;
-        for entry in cache.layers.iter_mut() {
-            let k = Tensor::zeros(
-                (1, h, capacity, m.qk_nope_head_dim + m.qk_rope_head_dim),
-                dtype,
-                dev,
-            )?;
-            let v = Tensor::zeros((1, h, capacity, m.v_head_dim), dtype, dev)?;
-            *entry = LayerCache::Kv { k, v };
+        Self::build(cfg, capacity, dtype, dev, true)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        capacity: usize,
+        dtype: DType,
+        dev: &Device,
+        expanded: bool,
+    ) -> Result<Self> {
+        if capacity == 0 || capacity > cfg.max_position_embeddings {
+            return Err(Error::Invalid(format!(
+                "cache capacity {capacity} must be between 1 and the context length ({})",
+                cfg.max_position_embeddings
+            )));
         }
-        cache.bytes_per_token =
-            cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * dtype.size_in_bytes();
-        Ok(cache)
+        let h = cfg.num_attention_heads;
+        // The two tensors of one layer (1, heads, capacity, width), and whether they are K/V.
+        let (shape_a, shape_b, kv) = match &cfg.attention {
+            AttentionConfig::Gqa {
+                num_kv_heads: g,
+                head_dim: d,
+                ..
+            } => ((1, *g, capacity, *d), (1, *g, capacity, *d), true),
+            AttentionConfig::Mla(m) if expanded => (
+                (1, h, capacity, m.qk_nope_head_dim + m.qk_rope_head_dim),
+                (1, h, capacity, m.v_head_dim),
+                true,
+            ),
+            AttentionConfig::Mla(m) => (
+                (1, 1, capacity, m.kv_lora_rank),
+                (1, 1, capacity, m.qk_rope_head_dim),
+                false,
+            ),
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| {
+                let a = Tensor::zeros(shape_a, dtype, dev)?;
+                let b = Tensor::zeros(shape_b, dtype, dev)?;
+                Ok(match kv {
+                    true => LayerCache::Kv { k: a, v: b },
+                    false => LayerCache::Latent { c_kv: a, k_pe: b },
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // Derived from the shapes, so it is right for every layout.
+        let bytes_per_token = cfg.num_hidden_layers
+            * (shape_a.1 * shape_a.3 + shape_b.1 * shape_b.3)
+            * dtype.size_in_bytes();
+        Ok(Self {
+            layers,
+            len: 0,
+            capacity,
+            bytes_per_token,
+        })
     }
 
     /// Positions filled so far (the position of the next token).

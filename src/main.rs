@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use tiny_decoder::loader::{self, bundled, Loaded};
 use tiny_decoder::sampling::{Sampler, SamplingParams};
-use tiny_decoder::{bench, eval, generate};
+use tiny_decoder::{bench, eval, generate, ModelConfig};
 
 #[derive(Parser)]
 #[command(
@@ -265,7 +265,7 @@ fn run_bench(b: BenchArgs) -> Result<()> {
                 loader::parse_dtype(&b.dtype)?,
                 loader::parse_device(&b.device)?,
             );
-            loader::random(&loader::config_from_file(c)?, dtype, &device)?
+            loader::random(&ModelConfig::from_file(c)?, dtype, &device)?
         }
         (None, None) => bail!("bench needs --model or --config"),
     };

@@ -85,12 +85,7 @@ fn matvec_matches_candle_matmul_f32() -> candle_core::Result<()> {
         let want = x.reshape((1, k))?.matmul(&w.t()?)?.reshape((1, 1, n))?;
         let got = matvec(&x, &w)?;
         assert_eq!(got.dims(), &[1, 1, n]);
-        let want: Vec<f64> = want
-            .flatten_all()?
-            .to_vec1::<f32>()?
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let want = f64s(&want)?;
         assert_close(
             &got.flatten_all()?.to_vec1::<f32>()?,
             &want,
@@ -113,12 +108,7 @@ fn matvec_matches_candle_matmul_bf16() -> candle_core::Result<()> {
         let want = x
             .to_dtype(DType::F32)?
             .matmul(&w.to_dtype(DType::F32)?.t()?)?;
-        let want: Vec<f64> = want
-            .flatten_all()?
-            .to_vec1::<f32>()?
-            .iter()
-            .map(|&v| v as f64)
-            .collect();
+        let want = f64s(&want)?;
         let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         assert_close(&got, &want, 1e-2, &format!("bf16 {n}x{k}"));
     }
@@ -260,4 +250,10 @@ fn probe_bandwidth_and_overhead() -> candle_core::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A tensor's values as f64, for comparison against references.
+fn f64s(t: &Tensor) -> candle_core::Result<Vec<f64>> {
+    let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(values.into_iter().map(f64::from).collect())
 }

@@ -300,11 +300,3 @@ impl SimpleBackend for RandomWeights {
         false
     }
 }
-
-/// Reads config.json from a path for `bench --config`.
-pub fn config_from_file(path: &Path) -> Result<ModelConfig> {
-    HfConfig::from_file(path)?.validate().map_err(|e| match e {
-        Error::Config(msg) => Error::file(path, msg),
-        other => other,
-    })
-}

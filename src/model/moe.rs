@@ -8,10 +8,10 @@ use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone)]
 pub struct Moe {
-    /// Router weight (n_routed_experts, hidden).
+    /// Router weight (n_routed_experts, hidden), in f32.
     gate: Tensor,
     /// V3 only: added to the scores to choose experts, never to weight them.
-    e_score_correction_bias: Option<Tensor>,
+    e_score_correction_bias: Option<Vec<f32>>,
     experts: Vec<SwiGlu>,
     shared_experts: Option<SwiGlu>,
     cfg: MoeConfig,
@@ -20,9 +20,16 @@ pub struct Moe {
 impl Moe {
     pub fn new(hidden: usize, cfg: &MoeConfig, vb: VarBuilder) -> Result<Self> {
         let (n, inter) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
-        let gate = vb.pp("gate").get((n, hidden), "weight")?;
+        // The router runs in f32 (as in transformers); convert its weights once, here.
+        let gate = vb
+            .pp("gate")
+            .get((n, hidden), "weight")?
+            .to_dtype(DType::F32)?;
         let e_score_correction_bias = match cfg.router {
-            Router::SigmoidGrouped => Some(vb.pp("gate").get(n, "e_score_correction_bias")?),
+            Router::SigmoidGrouped => {
+                let bias = vb.pp("gate").get(n, "e_score_correction_bias")?;
+                Some(bias.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            }
             Router::Softmax { .. } => None,
         };
         let vb_e = vb.pp("experts");
@@ -66,23 +73,18 @@ impl Moe {
 
     /// Expert choices and weights for each token, from the router scores (N, E).
     fn route(&self, x: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let logits = x
-            .to_dtype(DType::F32)?
-            .matmul(&self.gate.to_dtype(DType::F32)?.t()?)?;
+        let logits = x.to_dtype(DType::F32)?.matmul(&self.gate.t()?)?;
         let (scores, bias) = match self.cfg.router {
             Router::Softmax { .. } => (candle_nn::ops::softmax_last_dim(&logits)?, None),
-            Router::SigmoidGrouped => {
-                let bias = match &self.e_score_correction_bias {
-                    Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-                    None => None,
-                };
-                (candle_nn::ops::sigmoid(&logits)?, bias)
-            }
+            Router::SigmoidGrouped => (
+                candle_nn::ops::sigmoid(&logits)?,
+                self.e_score_correction_bias.as_deref(),
+            ),
         };
         let scores = scores.to_vec2::<f32>()?;
         Ok(scores
             .iter()
-            .map(|s| route_token(s, bias.as_deref(), &self.cfg))
+            .map(|s| route_token(s, bias, &self.cfg))
             .collect())
     }
 }
