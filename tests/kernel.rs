@@ -30,8 +30,11 @@ fn isas() -> Vec<Isa> {
     }
 }
 
-const SHAPES: [(usize, usize); 9] = [
+const SHAPES: [(usize, usize); 12] = [
     (1, 1),
+    (2, 2),
+    (5, 31),
+    (6, 33),
     (3, 7),
     (5, 16),
     (13, 17),
@@ -70,7 +73,7 @@ fn row_kernels_match_f64_reference() {
             simd::rows_f32(isa, &x, &w, &mut y);
             assert_close(&y, &want, 1e-5, &format!("f32 {isa:?} {n}x{k}"));
             let mut y = vec![f32::NAN; n];
-            simd::rows_bf16(isa, &x, &wb, &mut y);
+            simd::rows_bf16(isa, &simd::pair_layout(&x), &wb, &mut y);
             assert_close(&y, &want_b, 1e-5, &format!("bf16 {isa:?} {n}x{k}"));
         }
     }

@@ -1,8 +1,8 @@
 //! The matrix-vector product `y = x · Wᵀ` for one row `x` (K) and a row-major `W` (N, K), as a
 //! candle [`CustomOp2`] on CPU storage. Rows of `W` are split into chunks that a
 //! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] row kernel. Supported pairs:
-//! f32 x with f32 W, bf16 x with bf16 W (x widened once, W widened in registers, the result
-//! rounded to bf16). Anything else is the caller's job to route to candle's matmul.
+//! f32 x with f32 W, bf16 x with bf16 W (x widened and put in [`simd::pair_layout`] once, W
+//! widened in registers, the result rounded to bf16). Anything else is the caller's job to route to candle's matmul.
 
 use super::pool::Pool;
 use super::simd::{self, Isa};
@@ -106,6 +106,7 @@ impl CustomOp2 for MatVec {
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let x: Vec<f32> = slice(x, l1, "x")?.iter().map(|v| v.to_f32()).collect();
+                let x = simd::pair_layout(&x);
                 let w = slice(w, l2, "weight")?;
                 // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory
                 // read as u16 has the same length and alignment.
