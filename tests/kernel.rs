@@ -58,23 +58,37 @@ fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
 
 #[test]
 fn row_kernels_match_f64_reference() {
-    for (n, k) in SHAPES {
-        let (x, w) = (values(k, 1), values(n * k, 2));
+    // One row (decode), a few (tile tails), and more than a 64-row block (prefill).
+    for (rows, (n, k)) in [1, 3, 6, 70]
+        .into_iter()
+        .flat_map(|m| SHAPES.map(|s| (m, s)))
+    {
+        if rows > 1 && n * k > 100_000 {
+            continue;
+        }
+        let (x, w) = (values(rows * k, 1), values(n * k, 2));
         let wb: Vec<u16> = w
             .iter()
             .map(|v| half::bf16::from_f32(*v).to_bits())
             .collect();
-        let dot = |row: &dyn Fn(usize) -> f64| (0..n).map(row).collect::<Vec<f64>>();
-        let want = dot(&|r| (0..k).map(|i| x[i] as f64 * w[r * k + i] as f64).sum());
         let widen = |b: u16| f32::from_bits((b as u32) << 16) as f64;
-        let want_b = dot(&|r| (0..k).map(|i| x[i] as f64 * widen(wb[r * k + i])).sum());
+        let reference = |w: &dyn Fn(usize) -> f64| -> Vec<f64> {
+            let dot = |m: usize, r: usize| -> f64 {
+                (0..k).map(|i| x[m * k + i] as f64 * w(r * k + i)).sum()
+            };
+            (0..rows * n).map(|j| dot(j / n, j % n)).collect()
+        };
+        let want = reference(&|i| w[i] as f64);
+        let want_b = reference(&|i| widen(wb[i]));
+        let xp: Vec<f32> = x.chunks(k).flat_map(simd::pair_layout).collect();
         for isa in isas() {
-            let mut y = vec![f32::NAN; n];
-            simd::rows_f32(isa, &x, &w, &mut y);
-            assert_close(&y, &want, 1e-5, &format!("f32 {isa:?} {n}x{k}"));
-            let mut y = vec![f32::NAN; n];
-            simd::rows_bf16(isa, &simd::pair_layout(&x), &wb, &mut y);
-            assert_close(&y, &want_b, 1e-5, &format!("bf16 {isa:?} {n}x{k}"));
+            let what = format!("{isa:?} {rows}x{k} · ({n}x{k})ᵀ");
+            let mut y = vec![f32::NAN; rows * n];
+            simd::rows_f32(isa, &x, k, &w, &mut y);
+            assert_close(&y, &want, 1e-5, &format!("f32 {what}"));
+            let mut y = vec![f32::NAN; rows * n];
+            simd::rows_bf16(isa, &xp, k, &wb, &mut y);
+            assert_close(&y, &want_b, 1e-5, &format!("bf16 {what}"));
         }
     }
 }
@@ -251,6 +265,41 @@ fn probe_bandwidth_and_overhead() -> candle_core::Result<()> {
             "{dtype:?}: per call 192x576 {:.1} us (pool), 64x64 {:.1} us (serial)",
             cands[0], cands[1]
         );
+    }
+    Ok(())
+}
+
+/// Multiply-add throughput of several rows at once (prefill), through the op and through
+/// candle's matmul.
+#[test]
+#[ignore]
+fn probe_rows_throughput() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, n, k) in [
+            (32, 1536, 576),
+            (64, 1536, 576),
+            (256, 1536, 576),
+            (64, 576, 1536),
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;
+            let mut best = [f64::MAX; 2];
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                matvec(&x, &w)?;
+                best[0] = best[0].min(t.elapsed().as_secs_f64());
+                let t = std::time::Instant::now();
+                x.matmul(&w.t()?)?;
+                best[1] = best[1].min(t.elapsed().as_secs_f64());
+            }
+            let flop = 2.0 * (m * n * k) as f64;
+            println!(
+                "{dtype:?} {m}x{k} · ({n}x{k})ᵀ: ours {:.1} GFLOP/s, candle {:.1} GFLOP/s",
+                flop / best[0] / 1e9,
+                flop / best[1] / 1e9
+            );
+        }
     }
     Ok(())
 }

@@ -1,10 +1,12 @@
-//! `Linear`: candle_nn's linear layer (same constructors, same results) whose forward takes a
-//! matrix-vector kernel when the input is a single row, the case of every decode step.
+//! `Linear`: candle_nn's linear layer (same constructors, same results) whose forward takes
+//! our own kernel for a single row, the case of every decode step, and (on AVX-512) for the
+//! rows of a prompt chunk.
 //!
-//! candle's general GEMM leaves most of the memory bandwidth unused at M = 1; [`matvec`] is
-//! an explicit-SIMD product split over a small persistent pool ([`matvec::MatVec`]). Every other case
-//! (several rows, CUDA, dtypes other than f32/bf16, a non-contiguous weight) is candle's
-//! matmul exactly as `candle_nn::Linear` runs it.
+//! candle's general GEMM leaves most of the memory bandwidth unused at M = 1, and at small M
+//! runs AVX2 code; [`matvec`] is an explicit-SIMD product split over a small persistent pool
+//! ([`matvec::MatVec`]). Every other case (CUDA, dtypes other than f32/bf16, a non-contiguous
+//! weight, several rows without AVX-512) is candle's matmul exactly as `candle_nn::Linear`
+//! runs it.
 
 pub mod matvec;
 mod pool;
@@ -52,12 +54,12 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
     candle_nn::linear_no_bias(in_dim, out_dim, vb).map(Linear::from)
 }
 
-/// Whether `x · wᵀ` can take the matrix-vector kernel.
+/// Whether `x · wᵀ` can take our kernel.
 fn use_matvec(x: &Tensor, w: &Tensor) -> bool {
     let k = x.dims().last().copied().unwrap_or(0);
     x.device().is_cpu()
-        && x.elem_count() == k
         && k > 0
+        && matvec::takes_rows(x.elem_count() / k)
         && w.rank() == 2
         && w.dim(1).ok() == Some(k)
         && w.is_contiguous()
@@ -65,7 +67,7 @@ fn use_matvec(x: &Tensor, w: &Tensor) -> bool {
         && matches!(w.dtype(), DType::F32 | DType::BF16)
 }
 
-/// `x · wᵀ` for x (.., K) and w (N, K): the kernel for one row, candle's matmul otherwise.
+/// `x · wᵀ` for x (.., K) and w (N, K): our kernel where it applies, candle's matmul otherwise.
 pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     match use_matvec(x, w) {
         true => x.contiguous()?.apply_op2_no_bwd(w, &matvec::MatVec),

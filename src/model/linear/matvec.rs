@@ -1,8 +1,10 @@
-//! The matrix-vector product `y = x · Wᵀ` for one row `x` (K) and a row-major `W` (N, K), as a
-//! candle [`CustomOp2`] on CPU storage. Rows of `W` are split into chunks that a
-//! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] row kernel. Supported pairs:
-//! f32 x with f32 W, bf16 x with bf16 W (x widened and put in [`simd::pair_layout`] once, W
-//! widened in registers, the result rounded to bf16). Anything else is the caller's job to route to candle's matmul.
+//! The product `y = x · Wᵀ` for a few rows of `x` (M, K) and a row-major `W` (N, K), as a
+//! candle [`CustomOp2`] on CPU storage: one row in every decode step, a prompt chunk in
+//! prefill (on AVX-512, see [`simd::tiles_rows`]). Rows of `W` are split into chunks that a
+//! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] kernel over all of x and
+//! writes its own columns of y. Supported pairs: f32 x with f32 W, bf16 x with bf16 W (x
+//! widened and put in [`simd::pair_layout`] once, W widened in registers, the result rounded
+//! to bf16). Anything else is the caller's job to route to candle's matmul.
 
 use super::pool::Pool;
 use super::simd::{self, Isa};
@@ -11,8 +13,8 @@ use candle_core::{CpuStorage, CustomOp2, Error, Layout, Result, Shape};
 use half::bf16;
 use std::sync::OnceLock;
 
-/// Below this many weight bytes a product runs on the calling thread: the hand-off to the
-/// pool would cost more than the work.
+/// Below this many weight bytes × rows of x a product runs on the calling thread: the
+/// hand-off to the pool would cost more than the work.
 const SERIAL_BYTES: usize = 96 * 1024;
 /// Chunks per pool thread: more than one lets an idle thread take over from one the OS has
 /// descheduled (the machine may be shared).
@@ -23,38 +25,53 @@ fn isa() -> Isa {
     *ISA.get_or_init(Isa::detect)
 }
 
-/// `y`'s base pointer, shared by chunks that each write their own disjoint rows.
+/// Whether a product with `m` rows of x belongs here: one row always; several when the
+/// kernels tile them (AVX-512), since elsewhere each row would be another pass over `W`.
+pub fn takes_rows(m: usize) -> bool {
+    m == 1 || (m > 1 && simd::tiles_rows(isa()))
+}
+
+/// `y`'s base pointer, shared by chunks that each write their own disjoint columns.
 struct Out(*mut f32);
-// SAFETY: chunks write disjoint ranges of `y`, and `Pool::run` returns only after all have
-// finished, while `y` is still mutably borrowed by `matvec_rows`.
+// SAFETY: chunks write disjoint places of `y`, and `Pool::run` returns only after all have
+// finished, while `y` is still mutably borrowed by `product`.
 unsafe impl Sync for Out {}
 
-/// `y[n] = dot(x, W[n])` over all rows, in parallel when `W` is large enough.
-/// `w.len()` must be `y.len() * x.len()`.
-pub fn matvec_rows<W: Sync>(
-    x: &[f32],
-    w: &[W],
-    y: &mut [f32],
-    kernel: fn(Isa, &[f32], &[W], &mut [f32]),
-) {
-    let (k, n, isa, pool) = (x.len(), y.len(), isa(), Pool::global());
-    if pool.threads() <= 1 || k == 0 || std::mem::size_of_val(w) < SERIAL_BYTES {
-        return kernel(isa, x, w, y);
+/// The strided kernels' shape: `rows(isa, x, k, w, y, ldy)`.
+type Kernel<W> = unsafe fn(Isa, &[f32], usize, &[W], *mut f32, usize);
+
+/// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), in parallel when the work is large enough.
+pub fn product<W: Sync>(x: &[f32], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<W>) {
+    let (isa, pool) = (isa(), Pool::global());
+    if k == 0 {
+        return y.fill(0.0);
+    }
+    let n = w.len() / k;
+    assert!(
+        x.len().is_multiple_of(k) && w.len().is_multiple_of(k) && y.len() == x.len() / k * n,
+        "matvec: x ({}), w ({}) and y ({}) are not rows of width {k}",
+        x.len(),
+        w.len(),
+        y.len()
+    );
+    let out = &Out(y.as_mut_ptr());
+    let m = x.len() / k;
+    if pool.threads() <= 1 || std::mem::size_of_val(w) * m < SERIAL_BYTES {
+        // SAFETY: y holds M·N values (checked above), the kernel writes m·N + r for r < N.
+        return unsafe { kernel(isa, x, k, w, out.0, n) };
     }
     // Whole groups of 4 rows per chunk, so only the last chunk has a ragged end.
     let rows = n
         .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
         .next_multiple_of(4);
-    let out = &Out(y.as_mut_ptr());
     pool.run(n.div_ceil(rows), &|i| {
         let (r0, r1) = (i * rows, ((i + 1) * rows).min(n));
-        // SAFETY: r0 < r1 <= n = y.len(), and chunk i is the only writer of rows r0..r1.
-        let y = unsafe { std::slice::from_raw_parts_mut(out.0.add(r0), r1 - r0) };
-        kernel(isa, x, &w[r0 * k..r1 * k], y);
+        // SAFETY: chunk i alone writes columns r0..r1 of y (M rows of N), all inside y.
+        unsafe { kernel(isa, x, k, &w[r0 * k..r1 * k], out.0.add(r0), n) };
     });
 }
 
-/// The op: `x` (.., K) with one row in all, `W` (N, K); output (.., N) in x's dtype.
+/// The op: `x` (.., K), `W` (N, K); output (.., N) in x's dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct MatVec;
 
@@ -62,9 +79,9 @@ impl MatVec {
     fn out_shape(l1: &Layout, l2: &Layout) -> Result<(usize, usize, Shape)> {
         let (n, k) = l2.shape().dims2()?;
         let dims = l1.shape().dims();
-        if dims.last() != Some(&k) || l1.shape().elem_count() != k {
+        if dims.last() != Some(&k) {
             return Err(Error::Msg(format!(
-                "matvec: x {:?} is not one row of width {k} (weight {n}x{k})",
+                "matvec: x {:?} is not rows of width {k} (weight {n}x{k})",
                 l1.shape()
             )));
         }
@@ -96,22 +113,22 @@ impl CustomOp2 for MatVec {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, _k, shape) = Self::out_shape(l1, l2)?;
-        let mut y = vec![0f32; n];
+        let (_n, k, shape) = Self::out_shape(l1, l2)?;
+        let mut y = vec![0f32; shape.elem_count()];
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
-                matvec_rows(x, w, &mut y, simd::rows_f32);
+                product(x, k, w, &mut y, simd::rows_f32_strided);
                 CpuStorage::F32(y)
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let x: Vec<f32> = slice(x, l1, "x")?.iter().map(|v| v.to_f32()).collect();
-                let x = simd::pair_layout(&x);
+                let x: Vec<f32> = x.chunks(k.max(1)).flat_map(simd::pair_layout).collect();
                 let w = slice(w, l2, "weight")?;
                 // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory
                 // read as u16 has the same length and alignment.
                 let bits = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) };
-                matvec_rows(&x, bits, &mut y, simd::rows_bf16);
+                product(&x, k, bits, &mut y, simd::rows_bf16_strided);
                 CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
             }
             (a, b) => {
