@@ -185,6 +185,34 @@ fn grouped_sdpa_equals_per_head_reference() {
     }
 }
 
+/// One new token over a cache view (a narrowed, longer buffer), long enough for several of
+/// the decode op's blocks, in f32 and bf16, against the per-head reference in f32.
+#[test]
+fn decode_attention_over_cache_views_equals_reference() {
+    let dev = Device::Cpu;
+    for (h, g, s, dk, dv) in [(6, 2, 600, 40, 24), (4, 4, 1, 16, 16), (9, 3, 257, 64, 64)] {
+        let q = Tensor::randn(0f32, 1.0, (1, h, 1, dk), &dev).unwrap();
+        let cache_k = Tensor::randn(0f32, 1.0, (1, g, s + 9, dk), &dev).unwrap();
+        let cache_v = Tensor::randn(0f32, 1.0, (1, g, s + 9, dv), &dev).unwrap();
+        let (k, v) = (
+            cache_k.narrow(2, 0, s).unwrap(),
+            cache_v.narrow(2, 0, s).unwrap(),
+        );
+        let want = naive_attention(&q, &k, &v, 0.2, None).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (q, k, v) = (cast(&q), cast(&cache_k), cast(&cache_v));
+            let (k, v) = (k.narrow(2, 0, s).unwrap(), v.narrow(2, 0, s).unwrap());
+            let ours = sdpa(&q, &k, &v, 0.2, None).unwrap();
+            assert_eq!(ours.dims(), &[1, h, 1, dv]);
+            let ours = ours.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let diff = common::max_abs_diff(&ours.to_vec1::<f32>().unwrap(), &want);
+            assert!(diff < tol, "{dtype:?} h={h} g={g} s={s}: {diff}");
+        }
+    }
+}
+
 fn config_error(edit: impl Fn(&mut serde_json::Value)) -> String {
     let path = common::fixture_dir("llama-mha-tied").join("config.json");
     let mut v: serde_json::Value =

@@ -9,7 +9,6 @@
 //! runs it.
 
 pub mod matvec;
-mod pool;
 pub mod simd;
 
 use candle_core::{DType, Module, Result, Tensor};

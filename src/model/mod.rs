@@ -6,6 +6,7 @@ pub mod block;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod pool;
 pub mod rope;
 
 use crate::config::ModelConfig;

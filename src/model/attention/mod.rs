@@ -1,6 +1,7 @@
 //! The attention layer, chosen by config: [`GqaAttention`] for MHA/MQA/GQA, [`MlaAttention`]
 //! for DeepSeek's latent attention. Both end in the one [`sdpa`].
 
+pub mod decode;
 mod gqa;
 mod mla;
 
@@ -68,7 +69,8 @@ pub fn causal_mask(
     Tensor::from_vec(mask, (t, s), dev)?.to_dtype(dtype)
 }
 
-/// Scaled dot-product attention with grouped heads.
+/// Scaled dot-product attention with grouped heads. One new token without a mask takes
+/// [`decode::DecodeAttention`] where it runs; everything else is candle's ops below.
 ///
 /// q: (B, H, T, Dk); k: (B, G, S, Dk); v: (B, G, S, Dv) with H a multiple of G. The query is
 /// reshaped to (B, G, H/G·T, Dk) so each group's heads share one K/V without copying it
@@ -82,6 +84,13 @@ pub fn sdpa(
 ) -> Result<Tensor> {
     let (b, h, t, dk) = q.dims4()?;
     let g = k.dim(1)?;
+    let same = q.dtype() == k.dtype() && k.dtype() == v.dtype();
+    if t == 1 && mask.is_none() && same && decode::takes(q) {
+        let op = decode::DecodeAttention {
+            scale: scale as f32,
+        };
+        return q.contiguous()?.apply_op3_no_bwd(k, v, &op); // (B, H, 1, Dv)
+    }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
     let scores = q.matmul(&k.t()?)?; // (B, G, H/G·T, S)
     attend(&scores, v, h, t, scale, mask)

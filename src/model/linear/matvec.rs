@@ -6,12 +6,11 @@
 //! widened and put in [`simd::pair_layout`] once, W widened in registers, the result rounded
 //! to bf16). Anything else is the caller's job to route to candle's matmul.
 
-use super::pool::Pool;
 use super::simd::{self, Isa};
+use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Error, Layout, Result, Shape};
 use half::bf16;
-use std::sync::OnceLock;
 
 /// Below this many weight bytes × rows of x a product runs on the calling thread: the
 /// hand-off to the pool would cost more than the work.
@@ -20,15 +19,10 @@ const SERIAL_BYTES: usize = 96 * 1024;
 /// descheduled (the machine may be shared).
 const CHUNKS_PER_THREAD: usize = 4;
 
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(Isa::detect)
-}
-
 /// Whether a product with `m` rows of x belongs here: one row always; several when the
 /// kernels tile them (AVX-512), since elsewhere each row would be another pass over `W`.
 pub fn takes_rows(m: usize) -> bool {
-    m == 1 || (m > 1 && simd::tiles_rows(isa()))
+    m == 1 || (m > 1 && simd::tiles_rows(Isa::current()))
 }
 
 /// `y`'s base pointer, shared by chunks that each write their own disjoint columns.
@@ -42,7 +36,7 @@ type Kernel<W> = unsafe fn(Isa, &[f32], usize, &[W], *mut f32, usize);
 
 /// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), in parallel when the work is large enough.
 pub fn product<W: Sync>(x: &[f32], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<W>) {
-    let (isa, pool) = (isa(), Pool::global());
+    let (isa, pool) = (Isa::current(), Pool::global());
     if k == 0 {
         return y.fill(0.0);
     }

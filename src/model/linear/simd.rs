@@ -17,7 +17,13 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best set this CPU supports (detected once; `is_x86_feature_detected!` caches).
+    /// [`Isa::detect`], once per process.
+    pub fn current() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(Isa::detect)
+    }
+
+    /// The best set this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {

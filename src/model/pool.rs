@@ -1,5 +1,6 @@
-//! A tiny persistent pool for the matrix-vector kernel: the calling thread works too, helpers
-//! spin briefly between jobs and then sleep, and chunks are handed out by an atomic counter.
+//! A tiny persistent pool for our kernels (matrix products, decode attention): the calling
+//! thread works too, helpers spin briefly between jobs and then sleep, and chunks are handed
+//! out by an atomic counter.
 //!
 //! Why not rayon: a call from outside rayon's pool parks the caller on a latch and wakes a
 //! worker, two context switches per product (measured 12-20 µs on a shared 2-core machine,
