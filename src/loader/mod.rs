@@ -175,7 +175,7 @@ pub fn load(files: &ModelFiles, dtype: DType, device: &Device) -> Result<Loaded>
     }
     // SAFETY: as above.
     let tensors = unsafe { MmapedSafetensors::multi(&files.weights) }?;
-    let loaded = build(&cfg, Box::new(tensors), dtype, device)
+    let loaded = build(&cfg, Box::new(Unmapping(tensors)), dtype, device)
         .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
     let tokenizer = match &files.tokenizer {
         Some(path) => {
@@ -271,6 +271,58 @@ impl SimpleBackend for Counting {
 
     fn contains_tensor(&self, name: &str) -> bool {
         self.inner.contains_tensor(name)
+    }
+}
+
+/// The memory-mapped checkpoint, with each tensor's pages dropped from this process once
+/// candle has copied it out. candle's CPU tensors own their memory, so every weight is copied
+/// from the map; without this the resident peak is the weights twice (the copies plus the
+/// mapped file: 1,085 MB for SmolLM-135M's 538 MB in f32), with it about once.
+struct Unmapping(MmapedSafetensors);
+
+impl Unmapping {
+    fn release(&self, name: &str) {
+        #[cfg(unix)]
+        if let Ok(view) = self.0.get(name) {
+            let data = view.data();
+            // SAFETY: sysconf has no preconditions.
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+            let start = (data.as_ptr() as usize).next_multiple_of(page);
+            let end = (data.as_ptr() as usize + data.len()) / page * page;
+            if end > start {
+                // SAFETY: the whole pages in [start, end) belong to a read-only private map
+                // of the file that outlives this call; after MADV_DONTNEED a read faults the
+                // same bytes back in from the file, so nothing observable changes.
+                unsafe {
+                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED)
+                };
+            }
+        }
+    }
+}
+
+impl SimpleBackend for Unmapping {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = SimpleBackend::get(&self.0, s, name, h, dtype, dev)?;
+        self.release(name);
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = self.0.get_unchecked(name, dtype, dev)?;
+        self.release(name);
+        Ok(t)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_tensor(name)
     }
 }
 
