@@ -1,0 +1,245 @@
+//! The x86-64 kernels behind [`super`]: AVX-512 and AVX2 + FMA, one macro for all four
+//! (instruction set × weight type), differing only in their load and multiply-add helpers.
+
+use super::{dot_bf16, dot_f32, PREFETCH_AHEAD};
+use std::arch::x86_64::*;
+
+/// Rows of x per block: a block of x (64 × K) stays in L2 while every weight row of the
+/// caller's slice passes once, from memory, through a tile.
+const M_BLOCK: usize = 64;
+
+/// A tiled kernel. `$tile::<NR, MR>` keeps NR weight rows × MR x rows of sums in
+/// registers: each step loads `$elems` weights of every weight row once (`$load_w`) and
+/// the same columns of every x row once (`$load_x`), and multiplies all pairs (`$mac`).
+/// The last `k % $elems` columns go to `$tail`. `$gemm` covers x and w with tiles of
+/// at most 4 × `$mr`.
+macro_rules! tiled {
+    ($gemm:ident, $tile:ident, $wty:ty, $feat:literal, $elems:expr, $mr:expr,
+     $acc_zero:expr, $w_zero:expr, $load_x:ident, $load_w:ident, $mac:ident,
+     $reduce:ident, $tail:ident) => {
+        /// # Safety
+        /// As for `super::rows_f32_strided`, and `n + NR`, `m + MR` are within w and x.
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::needless_range_loop)] // const-bound index loops become registers
+        unsafe fn $tile<const NR: usize, const MR: usize>(
+            x: &[f32],
+            k: usize,
+            w: &[$wty],
+            (n, m): (usize, usize),
+            y: *mut f32,
+            ldy: usize,
+        ) {
+            let body = k - k % $elems;
+            let (xp, wp) = (x.as_ptr(), w.as_ptr());
+            let mut acc = [[$acc_zero; MR]; NR];
+            let mut wv = [$w_zero; NR];
+            let mut i = 0;
+            while i < body {
+                // SAFETY: i + $elems <= body <= k, n + a < rows of w and m + b < rows
+                // of x, so every load is inside w or x.
+                for a in 0..NR {
+                    wv[a] = $load_w(wp.add((n + a) * k + i));
+                }
+                for b in 0..MR {
+                    let xv = $load_x(xp.add((m + b) * k), k, i);
+                    for a in 0..NR {
+                        acc[a][b] = $mac(acc[a][b], wv[a], xv);
+                    }
+                }
+                i += $elems;
+            }
+            for a in 0..NR {
+                for b in 0..MR {
+                    let mut sum = $reduce(acc[a][b]);
+                    if body < k {
+                        let xr = &x[(m + b) * k..(m + b + 1) * k];
+                        sum += $tail(xr, &w[(n + a) * k..(n + a + 1) * k], body);
+                    }
+                    // SAFETY: the caller vouches for this place in y.
+                    *y.add((m + b) * ldy + n + a) = sum;
+                }
+            }
+        }
+
+        /// # Safety
+        /// As for `super::rows_f32_strided`.
+        #[target_feature(enable = $feat)]
+        pub unsafe fn $gemm(x: &[f32], k: usize, w: &[$wty], y: *mut f32, ldy: usize) {
+            let (rows_x, rows_w) = (x.len() / k, w.len() / k);
+            for m0 in (0..rows_x).step_by(M_BLOCK) {
+                let m1 = (m0 + M_BLOCK).min(rows_x);
+                let mut n = 0;
+                while n < rows_w {
+                    let mut m = m0;
+                    // SAFETY (every call): n + NR <= rows_w and m + MR <= m1 <= rows_x.
+                    if n + 4 <= rows_w {
+                        while m1 - m >= $mr {
+                            $tile::<4, $mr>(x, k, w, (n, m), y, ldy);
+                            m += $mr;
+                        }
+                        for m in m..m1 {
+                            $tile::<4, 1>(x, k, w, (n, m), y, ldy);
+                        }
+                        n += 4;
+                    } else {
+                        for m in m..m1 {
+                            $tile::<1, 1>(x, k, w, (n, m), y, ldy);
+                        }
+                        n += 1;
+                    }
+                }
+            }
+        }
+    };
+}
+
+/// Asks for the cache line [`PREFETCH_AHEAD`] weights past `p` (address arithmetic only).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD) as *const i8) }
+}
+
+// AVX-512, f32: 16 weights per step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn w512_f32(w: *const f32) -> __m512 {
+    prefetch(w);
+    // SAFETY: the kernel guarantees 16 readable f32 at w.
+    unsafe { _mm512_loadu_ps(w) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn x512_f32(x: *const f32, _k: usize, i: usize) -> __m512 {
+    // SAFETY: the kernel calls this with i + 16 <= k.
+    unsafe { _mm512_loadu_ps(x.add(i)) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn mac512_f32(acc: __m512, w: __m512, x: __m512) -> __m512 {
+    _mm512_fmadd_ps(w, x, acc)
+}
+
+// AVX-512, bf16: 32 weights (16 pairs) per step, as (low, high) halves of each pair,
+// against the 16 even and 16 odd x values of the same columns.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn w512_pairs(w: *const u16) -> (__m512, __m512) {
+    prefetch(w);
+    // SAFETY: the kernel guarantees 32 readable u16 at w; the rest is register-only.
+    unsafe {
+        let v = _mm512_loadu_si512(w as *const __m512i);
+        let lo = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+        let hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+        (lo, hi)
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn x512_pairs(xp: *const f32, k: usize, i: usize) -> (__m512, __m512) {
+    // SAFETY: the kernel calls this with i + 32 <= k, so i/2 + 16 <= k/2 <= ceil(k/2).
+    unsafe {
+        let odd = xp.add(k.div_ceil(2));
+        (
+            _mm512_loadu_ps(xp.add(i / 2)),
+            _mm512_loadu_ps(odd.add(i / 2)),
+        )
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn mac512_pairs(acc: __m512, (lo, hi): (__m512, __m512), (ev, od): (__m512, __m512)) -> __m512 {
+    _mm512_fmadd_ps(hi, od, _mm512_fmadd_ps(lo, ev, acc))
+}
+
+// AVX2: the same with 8 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn w256_f32(w: *const f32) -> __m256 {
+    prefetch(w);
+    // SAFETY: the kernel guarantees 8 readable f32 at w.
+    unsafe { _mm256_loadu_ps(w) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn x256_f32(x: *const f32, _k: usize, i: usize) -> __m256 {
+    // SAFETY: the kernel calls this with i + 8 <= k.
+    unsafe { _mm256_loadu_ps(x.add(i)) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn mac256_f32(acc: __m256, w: __m256, x: __m256) -> __m256 {
+    _mm256_fmadd_ps(w, x, acc)
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn w256_pairs(w: *const u16) -> (__m256, __m256) {
+    prefetch(w);
+    // SAFETY: the kernel guarantees 16 readable u16 at w; the rest is register-only.
+    unsafe {
+        let v = _mm256_loadu_si256(w as *const __m256i);
+        let lo = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+        let hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+        (lo, hi)
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn x256_pairs(xp: *const f32, k: usize, i: usize) -> (__m256, __m256) {
+    // SAFETY: the kernel calls this with i + 16 <= k, so i/2 + 8 <= k/2 <= ceil(k/2).
+    unsafe {
+        let odd = xp.add(k.div_ceil(2));
+        (
+            _mm256_loadu_ps(xp.add(i / 2)),
+            _mm256_loadu_ps(odd.add(i / 2)),
+        )
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn mac256_pairs(acc: __m256, (lo, hi): (__m256, __m256), (ev, od): (__m256, __m256)) -> __m256 {
+    _mm256_fmadd_ps(hi, od, _mm256_fmadd_ps(lo, ev, acc))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn sum512(v: __m512) -> f32 {
+    _mm512_reduce_add_ps(v)
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn sum256(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+// AVX-512 tiles are 4 × 4 (16 sums, 4 or 8 weight registers, 1 or 2 for x, of 32);
+// AVX2 has 16 registers, so one x row at a time.
+#[rustfmt::skip]
+tiled!(f32_avx512, tile_f32_avx512, f32, "avx512f,avx512bw,avx512vl", 16, 4,
+    _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32, sum512,
+    dot_f32);
+#[rustfmt::skip]
+tiled!(bf16_avx512, tile_bf16_avx512, u16, "avx512f,avx512bw,avx512vl", 32, 4,
+    _mm512_setzero_ps(), (_mm512_setzero_ps(), _mm512_setzero_ps()), x512_pairs,
+    w512_pairs, mac512_pairs, sum512, dot_bf16);
+#[rustfmt::skip]
+tiled!(f32_avx2, tile_f32_avx2, f32, "avx2,fma", 8, 1,
+    _mm256_setzero_ps(), _mm256_setzero_ps(), x256_f32, w256_f32, mac256_f32, sum256,
+    dot_f32);
+#[rustfmt::skip]
+tiled!(bf16_avx2, tile_bf16_avx2, u16, "avx2,fma", 16, 1,
+    _mm256_setzero_ps(), (_mm256_setzero_ps(), _mm256_setzero_ps()), x256_pairs,
+    w256_pairs, mac256_pairs, sum256, dot_bf16);
