@@ -11,12 +11,13 @@ const M_BLOCK: usize = 64;
 /// A tiled kernel. `$tile::<NR, MR>` keeps NR weight rows × MR x rows of sums in
 /// registers: each step loads `$elems` weights of every weight row once (`$load_w`) and
 /// the same columns of every x row once (`$load_x`), and multiplies all pairs (`$mac`).
-/// The last `k % $elems` columns go to `$tail`. `$gemm` covers x and w with tiles of
+/// The sums are reduced across lanes by `$reduce4` (four at once) or `$reduce`, and the last
+/// `k % $elems` columns go to `$tail`. `$gemm` covers x and w with tiles of
 /// at most 4 × `$mr`.
 macro_rules! tiled {
     ($gemm:ident, $tile:ident, $wty:ty, $feat:literal, $elems:expr, $mr:expr,
      $acc_zero:expr, $w_zero:expr, $load_x:ident, $load_w:ident, $mac:ident,
-     $reduce:ident, $tail:ident) => {
+     $reduce:ident, $reduce4:ident, $tail:ident) => {
         /// # Safety
         /// As for `super::rows_f32_strided`, and `n + NR`, `m + MR` are within w and x.
         #[target_feature(enable = $feat)]
@@ -48,15 +49,25 @@ macro_rules! tiled {
                 }
                 i += $elems;
             }
-            for a in 0..NR {
-                for b in 0..MR {
-                    let mut sum = $reduce(acc[a][b]);
+            // The NR sums of one x row are neighbours in y: four reduce together. (`a % NR`
+            // keeps the indices in bounds in the NR = 1 instance, where this is not taken.)
+            for b in 0..MR {
+                let mut sums = [0f32; 4];
+                if NR == 4 {
+                    let r = |a: usize| acc[a % NR][b];
+                    _mm_storeu_ps(sums.as_mut_ptr(), $reduce4(r(0), r(1), r(2), r(3)));
+                } else {
+                    for a in 0..NR {
+                        sums[a] = $reduce(acc[a][b]);
+                    }
+                }
+                for a in 0..NR {
                     if body < k {
                         let xr = &x[(m + b) * k..(m + b + 1) * k];
-                        sum += $tail(xr, &w[(n + a) * k..(n + a + 1) * k], body);
+                        sums[a] += $tail(xr, &w[(n + a) * k..(n + a + 1) * k], body);
                     }
                     // SAFETY: the caller vouches for this place in y.
-                    *y.add((m + b) * ldy + n + a) = sum;
+                    *y.add((m + b) * ldy + n + a) = sums[a];
                 }
             }
         }
@@ -216,6 +227,35 @@ fn sum512(v: __m512) -> f32 {
     _mm512_reduce_add_ps(v)
 }
 
+/// The lane sums of four vectors, as one: `[Σa, Σb, Σc, Σd]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn sum4_512(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+    // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [Σa, Σb, Σc, Σd].
+    let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    let (ab, cd) = (_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+    let lanes = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
+    );
+    // The four 128-bit lanes added together (moved as f64 pairs, added as f32).
+    let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes));
+    let half = _mm256_add_ps(_mm512_castps512_ps256(lanes), _mm256_castpd_ps(high));
+    _mm_add_ps(
+        _mm256_castps256_ps128(half),
+        _mm256_extractf128_ps::<1>(half),
+    )
+}
+
+/// [`sum4_512`] for 8 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn sum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
+}
+
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn sum256(v: __m256) -> f32 {
@@ -230,16 +270,16 @@ fn sum256(v: __m256) -> f32 {
 #[rustfmt::skip]
 tiled!(f32_avx512, tile_f32_avx512, f32, "avx512f,avx512bw,avx512vl", 16, 4,
     _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32, sum512,
-    dot_f32);
+    sum4_512, dot_f32);
 #[rustfmt::skip]
 tiled!(bf16_avx512, tile_bf16_avx512, u16, "avx512f,avx512bw,avx512vl", 32, 4,
     _mm512_setzero_ps(), (_mm512_setzero_ps(), _mm512_setzero_ps()), x512_pairs,
-    w512_pairs, mac512_pairs, sum512, dot_bf16);
+    w512_pairs, mac512_pairs, sum512, sum4_512, dot_bf16);
 #[rustfmt::skip]
 tiled!(f32_avx2, tile_f32_avx2, f32, "avx2,fma", 8, 1,
     _mm256_setzero_ps(), _mm256_setzero_ps(), x256_f32, w256_f32, mac256_f32, sum256,
-    dot_f32);
+    sum4_256, dot_f32);
 #[rustfmt::skip]
 tiled!(bf16_avx2, tile_bf16_avx2, u16, "avx2,fma", 16, 1,
     _mm256_setzero_ps(), (_mm256_setzero_ps(), _mm256_setzero_ps()), x256_pairs,
-    w256_pairs, mac256_pairs, sum256, dot_bf16);
+    w256_pairs, mac256_pairs, sum256, sum4_256, dot_bf16);
