@@ -80,7 +80,7 @@ fn row_kernels_match_f64_reference() {
         };
         let want = reference(&|i| w[i] as f64);
         let want_b = reference(&|i| widen(wb[i]));
-        let xp: Vec<f32> = x.chunks(k).flat_map(simd::pair_layout).collect();
+        let xp = simd::pair_layout(&x, k, |v| v);
         for isa in isas() {
             let what = format!("{isa:?} {rows}x{k} · ({n}x{k})ᵀ");
             let mut y = vec![f32::NAN; rows * n];

@@ -72,7 +72,7 @@ impl Cached for f32 {
 
 impl Cached for u16 {
     fn scores(isa: Isa, q: &[f32], d: usize, k: &[u16], out: &mut [f32]) {
-        let qp: Vec<f32> = q.chunks(d).flat_map(simd::pair_layout).collect();
+        let qp = simd::pair_layout(q, d, |v| v);
         simd::rows_bf16(isa, &qp, d, k, out)
     }
     #[inline(always)]

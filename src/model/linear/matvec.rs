@@ -116,8 +116,7 @@ impl CustomOp2 for MatVec {
                 CpuStorage::F32(y)
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let x: Vec<f32> = slice(x, l1, "x")?.iter().map(|v| v.to_f32()).collect();
-                let x: Vec<f32> = x.chunks(k.max(1)).flat_map(simd::pair_layout).collect();
+                let x = simd::pair_layout(slice(x, l1, "x")?, k, bf16::to_f32);
                 let w = slice(w, l2, "weight")?;
                 // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory
                 // read as u16 has the same length and alignment.

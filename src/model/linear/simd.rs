@@ -55,13 +55,15 @@ fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-/// `x` rearranged for [`rows_bf16`]: `x[0], x[2], x[4], ..` then `x[1], x[3], ..`.
-pub fn pair_layout(x: &[f32]) -> Vec<f32> {
-    x.iter()
-        .step_by(2)
-        .chain(x.iter().skip(1).step_by(2))
-        .copied()
-        .collect()
+/// The rows of `x` (width `k`) rearranged for [`rows_bf16`], each as `x[0], x[2], x[4], ..`
+/// then `x[1], x[3], ..`, with `f` applied to every value (a widening, or the identity).
+pub fn pair_layout<T: Copy>(x: &[T], k: usize, f: impl Fn(T) -> f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(k.max(1)) {
+        out.extend(row.iter().step_by(2).map(|&v| f(v)));
+        out.extend(row.iter().skip(1).step_by(2).map(|&v| f(v)));
+    }
+    out
 }
 
 /// `x[j]` read from its [`pair_layout`] `xp` (the even values come first, `ceil(k / 2)`).
