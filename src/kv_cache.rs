@@ -4,7 +4,7 @@
 //! `slice_set`: no `Tensor::cat` per step. (candle-nn's `kv_cache::Cache` allocates on first
 //! use and grows by concatenation past its capacity; we want a hard capacity and an error.)
 
-use crate::config::{AttentionConfig, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -80,39 +80,19 @@ impl KvCache {
                 cfg.max_position_embeddings
             )));
         }
-        let h = cfg.num_attention_heads;
-        // The two tensors of one layer (1, heads, capacity, width), and whether they are K/V.
-        let (shape_a, shape_b, kv) = match &cfg.attention {
-            AttentionConfig::Gqa {
-                num_kv_heads: g,
-                head_dim: d,
-                ..
-            } => ((1, *g, capacity, *d), (1, *g, capacity, *d), true),
-            AttentionConfig::Mla(m) if expanded => (
-                (1, h, capacity, m.qk_nope_head_dim + m.qk_rope_head_dim),
-                (1, h, capacity, m.v_head_dim),
-                true,
-            ),
-            AttentionConfig::Mla(m) => (
-                (1, 1, capacity, m.kv_lora_rank),
-                (1, 1, capacity, m.qk_rope_head_dim),
-                false,
-            ),
-        };
+        let layout = cfg.cache_layout(expanded);
+        let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| {
-                let a = Tensor::zeros(shape_a, dtype, dev)?;
-                let b = Tensor::zeros(shape_b, dtype, dev)?;
-                Ok(match kv {
+                let a = Tensor::zeros((1, ha, capacity, wa), dtype, dev)?;
+                let b = Tensor::zeros((1, hb, capacity, wb), dtype, dev)?;
+                Ok(match layout.kv {
                     true => LayerCache::Kv { k: a, v: b },
                     false => LayerCache::Latent { c_kv: a, k_pe: b },
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        // Derived from the shapes, so it is right for every layout.
-        let bytes_per_token = cfg.num_hidden_layers
-            * (shape_a.1 * shape_a.3 + shape_b.1 * shape_b.3)
-            * dtype.size_in_bytes();
+        let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
         Ok(Self {
             layers,
             len: 0,

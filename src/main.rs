@@ -2,6 +2,7 @@
 //! on stderr and a non-zero exit.
 
 use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use std::io::Write;
@@ -112,10 +113,14 @@ struct GenerateArgs {
     json: bool,
 }
 
+/// `--dtype` and `--device`.
+fn parse_placement(dtype: &str, device: &str) -> Result<(DType, Device)> {
+    Ok((loader::parse_dtype(dtype)?, loader::parse_device(device)?))
+}
+
 /// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...).
 fn load(model: &str, dtype: &str, device: &str) -> Result<Loaded> {
-    let dtype = loader::parse_dtype(dtype)?;
-    let device = loader::parse_device(device)?;
+    let (dtype, device) = parse_placement(dtype, device)?;
     if let (false, Some(b)) = (Path::new(model).exists(), bundled::find(model)) {
         return Ok(loader::load_bundled(b, dtype, &device)?);
     }
@@ -261,10 +266,7 @@ fn run_bench(b: BenchArgs) -> Result<()> {
     let loaded = match (&b.model, &b.config) {
         (Some(m), _) => load(m, &b.dtype, &b.device)?,
         (None, Some(c)) => {
-            let (dtype, device) = (
-                loader::parse_dtype(&b.dtype)?,
-                loader::parse_device(&b.device)?,
-            );
+            let (dtype, device) = parse_placement(&b.dtype, &b.device)?;
             loader::random(&ModelConfig::from_file(c)?, dtype, &device)?
         }
         (None, None) => bail!("bench needs --model or --config"),

@@ -101,6 +101,22 @@ impl Family {
     }
 }
 
+/// The two tensors one layer caches, each (heads, width) per token: K and V (`kv`), or MLA's
+/// latent `c_kv` and shared `k_pe`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheLayout {
+    pub a: (usize, usize),
+    pub b: (usize, usize),
+    pub kv: bool,
+}
+
+impl CacheLayout {
+    /// Values per token: heads × width of both tensors.
+    pub fn values(&self) -> usize {
+        self.a.0 * self.a.1 + self.b.0 * self.b.1
+    }
+}
+
 /// How the attention layer is built and what the cache holds per token.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AttentionConfig {
@@ -271,24 +287,43 @@ impl ModelConfig {
         }
     }
 
-    /// Values the cache stores per token per layer.
-    pub fn kv_values_per_token_per_layer(&self) -> usize {
+    /// What one layer caches per token. `expanded` asks MLA for its up-projected per-head K
+    /// and V instead of the latent (for comparisons); other layouts ignore it.
+    pub fn cache_layout(&self, expanded: bool) -> CacheLayout {
+        let h = self.num_attention_heads;
         match &self.attention {
             AttentionConfig::Gqa {
-                num_kv_heads,
-                head_dim,
+                num_kv_heads: g,
+                head_dim: d,
                 ..
-            } => 2 * num_kv_heads * head_dim,
-            AttentionConfig::Mla(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+            } => CacheLayout {
+                a: (*g, *d),
+                b: (*g, *d),
+                kv: true,
+            },
+            AttentionConfig::Mla(m) if expanded => CacheLayout {
+                a: (h, m.qk_nope_head_dim + m.qk_rope_head_dim),
+                b: (h, m.v_head_dim),
+                kv: true,
+            },
+            AttentionConfig::Mla(m) => CacheLayout {
+                a: (1, m.kv_lora_rank),
+                b: (1, m.qk_rope_head_dim),
+                kv: false,
+            },
         }
+    }
+
+    /// Values the cache stores per token per layer.
+    pub fn kv_values_per_token_per_layer(&self) -> usize {
+        self.cache_layout(false).values()
     }
 
     /// What MHA with the same heads would cache per token per layer (for comparison).
     pub fn mha_values_per_token_per_layer(&self) -> usize {
-        let h = self.num_attention_heads;
         match &self.attention {
-            AttentionConfig::Gqa { head_dim, .. } => 2 * h * head_dim,
-            AttentionConfig::Mla(m) => h * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
+            AttentionConfig::Gqa { head_dim, .. } => 2 * self.num_attention_heads * head_dim,
+            AttentionConfig::Mla(_) => self.cache_layout(true).values(),
         }
     }
 

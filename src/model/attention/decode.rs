@@ -26,12 +26,12 @@ pub struct DecodeAttention {
     pub scale: f32,
 }
 
-/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512 (where the kernels are
-/// fast; elsewhere candle's ops).
+/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512. Elsewhere candle's
+/// ops stay: without AVX-512 [`accumulate`] is plain compiled code.
 pub fn takes(q: &candle_core::Tensor) -> bool {
     q.device().is_cpu()
         && matches!(q.dtype(), DType::F32 | DType::BF16)
-        && simd::tiles_rows(Isa::current())
+        && Isa::current() == Isa::Avx512
 }
 
 /// One (batch, K/V head, block) result: per query head of the group, the max score, the sum
@@ -54,7 +54,8 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str) -> Result<usize> {
 }
 
 /// The cache's element types: f32 as is, bf16 as raw bits (keys for the pair-reading
-/// kernel, values widened in [`accumulate`]).
+/// kernel, values widened in [`accumulate`]). The query comes in the layout the key kernel
+/// reads: as is for f32, [`simd::pair_layout`] for bf16, made once per step by the caller.
 trait Cached: Copy + Sync {
     fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: &mut [f32]);
     fn widen(self) -> f32;
@@ -72,8 +73,7 @@ impl Cached for f32 {
 
 impl Cached for u16 {
     fn scores(isa: Isa, q: &[f32], d: usize, k: &[u16], out: &mut [f32]) {
-        let qp = simd::pair_layout(q, d, |v| v);
-        simd::rows_bf16(isa, &qp, d, k, out)
+        simd::rows_bf16(isa, q, d, k, out)
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -116,7 +116,8 @@ fn accumulate_plain<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
 }
 
 /// Attention over positions `p0..p1` of one (batch, K/V head): `q` holds the group's query
-/// heads (hg × dk, f32), `k` and `v` that head's cached rows from position 0.
+/// heads (hg × dk, in the layout of [`Cached`]), `k` and `v` that head's cached rows from
+/// position 0.
 fn block<T: Cached>(
     isa: Isa,
     scale: f32,
@@ -243,7 +244,7 @@ impl CustomOp3 for DecodeAttention {
                 (CpuStorage::F32(out), shape)
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let q: Vec<f32> = q[q0..q1].iter().map(|x| x.to_f32()).collect();
+                let q = simd::pair_layout(&q[q0..q1], dk, bf16::to_f32);
                 let out = attend(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
                 (
                     CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect()),
