@@ -7,6 +7,7 @@ use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
 use candle_core::Device;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tokenizers::Tokenizer;
 
@@ -19,14 +20,18 @@ pub enum StopReason {
     Length,
     /// The cache reached the model's context length.
     Context,
+    /// The caller asked to stop (Ctrl-C).
+    Interrupted,
 }
 
 impl StopReason {
-    /// The `stop_reason` of `--json`: `eos` or `length` (the context limit is a length limit).
+    /// The `stop_reason` of `--json`: `eos`, `length` (the context limit is a length limit)
+    /// or `interrupted`.
     pub fn as_str(&self) -> &'static str {
         match self {
             StopReason::Eos => "eos",
             StopReason::Length | StopReason::Context => "length",
+            StopReason::Interrupted => "interrupted",
         }
     }
 }
@@ -116,7 +121,30 @@ pub fn generate(
     prompt_ids: &[u32],
     max_new_tokens: usize,
     sampler: &mut Sampler,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let never = AtomicBool::new(false);
+    generate_until(
+        model,
+        tokenizer,
+        prompt_ids,
+        max_new_tokens,
+        sampler,
+        on_text,
+        &never,
+    )
+}
+
+/// [`generate`] that also stops, with [`StopReason::Interrupted`], once `interrupt` is set
+/// (checked before every decode step).
+pub fn generate_until(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+    sampler: &mut Sampler,
     mut on_text: impl FnMut(&str),
+    interrupt: &AtomicBool,
 ) -> Result<Generation> {
     let cfg = model.config();
     let context = cfg.max_position_embeddings;
@@ -143,6 +171,9 @@ pub fn generate(
 
     let start = Instant::now();
     let stop_reason = loop {
+        if interrupt.load(Ordering::Relaxed) {
+            break StopReason::Interrupted;
+        }
         if token_ids.len() == max_new_tokens {
             break StopReason::Length;
         }

@@ -81,6 +81,12 @@ impl KvCache {
             )));
         }
         let layout = cfg.cache_layout(expanded);
+        let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
+        crate::config::check_fits(
+            capacity.saturating_mul(bytes_per_token),
+            &format!("the KV cache for {capacity} positions"),
+            "use fewer tokens (a shorter prompt, --max-new-tokens or --context)",
+        )?;
         let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| {
@@ -92,7 +98,6 @@ impl KvCache {
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
         Ok(Self {
             layers,
             len: 0,

@@ -22,13 +22,13 @@ fn bundled_models_generate_deterministically() {
     for b in &bundled::MODELS {
         let loaded = load_bundled(b, DType::F32, &Device::Cpu).unwrap();
         let tok = loaded.tokenizer.as_ref().unwrap();
-        let prompt = tok.encode("ROMEO:", true).unwrap();
+        let prompt = tok.encode("ROMEO:").unwrap();
         let run = || {
             let mut sampler = Sampler::new(&SamplingParams::default()).unwrap();
             generate::generate(
                 &loaded.model,
-                tok,
-                prompt.get_ids(),
+                tok.inner(),
+                &prompt,
                 24,
                 &mut sampler,
                 |_| {},
@@ -51,7 +51,7 @@ fn bundled_models_generate_deterministically() {
         };
         let sample = || {
             let mut s = Sampler::new(&params).unwrap();
-            generate::generate(&loaded.model, tok, prompt.get_ids(), 24, &mut s, |_| {})
+            generate::generate(&loaded.model, tok.inner(), &prompt, 24, &mut s, |_| {})
                 .unwrap()
                 .token_ids
         };
@@ -66,13 +66,8 @@ fn bundled_models_reproduce_recorded_perplexity() {
     for b in &bundled::MODELS {
         let record = training_record(b.name);
         let loaded = load_bundled(b, DType::F32, &Device::Cpu).unwrap();
-        let ids = loaded
-            .tokenizer
-            .as_ref()
-            .unwrap()
-            .encode(text.as_str(), true)
-            .unwrap();
-        let nll = eval::evaluate(&loaded.model, ids.get_ids()).unwrap();
+        let ids = loaded.tokenizer.as_ref().unwrap().encode(&text).unwrap();
+        let nll = eval::evaluate(&loaded.model, &ids).unwrap();
         let want = record["heldout_perplexity"].as_f64().unwrap();
         let unigram = record["unigram_heldout_perplexity"].as_f64().unwrap();
         eprintln!(

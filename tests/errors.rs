@@ -3,53 +3,10 @@
 
 mod common;
 
+use common::{edit_config, edit_header, fails, scratch};
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-const BIN: &str = env!("CARGO_BIN_EXE_tiny-decoder");
-
-/// A fresh copy of a fixture in the test scratch directory.
-fn scratch(fixture: &str, case: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("errors")
-        .join(case);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(common::fixture_dir(fixture)).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "reference.json" {
-            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
-        }
-    }
-    dir
-}
-
-/// Runs the CLI and returns stderr, checking the failure contract.
-fn fails(args: &[&str], env: &[(&str, &str)], expect: &str) -> String {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "{args:?} succeeded");
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("internal error"),
-        "{args:?}: {stderr}"
-    );
-    assert_eq!(
-        stderr.trim().lines().count(),
-        1,
-        "{args:?}: not one line: {stderr}"
-    );
-    assert!(
-        stderr.contains(expect),
-        "{args:?}: expected {expect:?} in {stderr}"
-    );
-    stderr
-}
 
 fn generate(dir: &Path) -> Vec<String> {
     let d = dir.to_str().unwrap().to_string();
@@ -71,27 +28,6 @@ fn fails_generate(dir: &Path, expect: &str) -> String {
         &[],
         expect,
     )
-}
-
-fn edit_config(dir: &Path, edit: impl Fn(&mut Value)) {
-    let path = dir.join("config.json");
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut v);
-    std::fs::write(path, v.to_string()).unwrap();
-}
-
-/// Rewrites the safetensors header of `dir/model.safetensors`, keeping the data bytes.
-fn edit_header(dir: &Path, edit: impl Fn(&mut Value)) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    edit(&mut header);
-    let text = header.to_string();
-    let mut out = (text.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(text.as_bytes());
-    out.extend_from_slice(&bytes[8 + n..]);
-    std::fs::write(path, out).unwrap();
 }
 
 /// Renames a tensor in a header (the file stays well-formed, the name goes missing).
@@ -266,7 +202,19 @@ fn bad_flags() {
     run(&["--dtype", "f8"], "--dtype");
     run(&["--device", "tpu"], "--device");
     run(&["--device", "cuda"], "cuda");
-    run(&["--bogus"], "--bogus");
+    // clap's usage errors are printed whole: what is wrong, then the usage line.
+    let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+    args.push("--bogus");
+    let out = std::process::Command::new(common::BIN)
+        .args(&args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("'--bogus'") && stderr.contains("Usage:"),
+        "{stderr}"
+    );
     let long = "word ".repeat(400);
     base[4] = long;
     let args: Vec<&str> = base.iter().map(String::as_str).collect();

@@ -79,7 +79,15 @@ fn latent_cache_bytes_follow_the_formula() {
     let prompt = ids(&r["prompt_ids"]);
     let mut sampler = Sampler::new(&SamplingParams::default()).unwrap();
     let tok = loaded.tokenizer.as_ref().unwrap();
-    let g = generate::generate(&loaded.model, tok, &prompt, 10, &mut sampler, |_| {}).unwrap();
+    let g = generate::generate(
+        &loaded.model,
+        tok.inner(),
+        &prompt,
+        10,
+        &mut sampler,
+        |_| {},
+    )
+    .unwrap();
     assert_eq!(g.kv_bytes_per_token, per_token);
     // The last sampled token is never fed back, so the cache holds prompt + generated - 1.
     assert_eq!(

@@ -4,16 +4,19 @@
 
 pub mod deepseek;
 mod gqa;
+mod layout;
 mod rope;
 
 use crate::error::{Error, Result};
+use candle_core::DType;
 pub use deepseek::{MlaConfig, MoeConfig, Router};
+pub use layout::{check_fits, CacheLayout};
 pub use rope::{HfRope, RopeConfig, RopeScaling, YarnScaling};
 use serde::Deserialize;
 use std::path::Path;
 
 /// `eos_token_id` is an int in older configs and a list in newer ones.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(untagged)]
 pub enum TokenIds {
     One(u32),
@@ -58,6 +61,11 @@ pub struct HfConfig {
     pub sliding_window: Option<i64>,
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// The checkpoint's dtype: `torch_dtype` until transformers 5, `dtype` since.
+    pub torch_dtype: Option<String>,
+    pub dtype: Option<String>,
+    /// Present in GPTQ, AWQ, bitsandbytes and FP8 checkpoints, which are refused.
+    pub quantization_config: Option<serde_json::Value>,
     /// DeepSeek's multi-head latent attention and MoE (see [`deepseek`]).
     #[serde(flatten)]
     pub deepseek: deepseek::HfDeepseek,
@@ -98,22 +106,6 @@ impl Family {
             Family::DeepseekV2 => "deepseek_v2",
             Family::DeepseekV3 => "deepseek_v3",
         }
-    }
-}
-
-/// The two tensors one layer caches, each (heads, width) per token: K and V (`kv`), or MLA's
-/// latent `c_kv` and shared `k_pe`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CacheLayout {
-    pub a: (usize, usize),
-    pub b: (usize, usize),
-    pub kv: bool,
-}
-
-impl CacheLayout {
-    /// Values per token: heads × width of both tensors.
-    pub fn values(&self) -> usize {
-        self.a.0 * self.a.1 + self.b.0 * self.b.1
     }
 }
 
@@ -217,6 +209,7 @@ impl HfConfig {
 
     /// Resolves every size and rejects what the engine cannot run.
     pub fn validate(&self) -> Result<ModelConfig> {
+        self.refuse_quantized()?;
         let family = self.family()?;
         let hidden_size = positive("hidden_size", self.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", self.num_attention_heads)?;
@@ -262,6 +255,47 @@ impl HfConfig {
     }
 }
 
+impl HfConfig {
+    /// The dtype config.json declares (`dtype`, else `torch_dtype`), if it names one the
+    /// engine runs; an unknown name is an error naming the field.
+    pub fn declared_dtype(&self) -> Result<Option<DType>> {
+        let (field, name) = match (&self.dtype, &self.torch_dtype) {
+            (Some(d), _) => ("dtype", d),
+            (None, Some(d)) => ("torch_dtype", d),
+            (None, None) => return Ok(None),
+        };
+        match name.trim_start_matches("torch.") {
+            "float32" => Ok(Some(DType::F32)),
+            "bfloat16" => Ok(Some(DType::BF16)),
+            "float16" => Ok(Some(DType::F16)),
+            other => Err(Error::Config(format!(
+                "{field} {other:?} is not a dtype this engine runs (float32, bfloat16, float16)"
+            ))),
+        }
+    }
+
+    /// A quantized checkpoint's weights are packed integers or 8-bit floats that would be
+    /// read as garbage: refuse it by its `quantization_config`, naming the method.
+    fn refuse_quantized(&self) -> Result<()> {
+        let Some(q) = &self.quantization_config else {
+            return Ok(());
+        };
+        let method = q
+            .get("quant_method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("unknown");
+        let bits = q.get("bits").and_then(|b| b.as_u64());
+        let what = match (method, bits) {
+            (_, Some(bits)) => format!("{method} ({bits}-bit)"),
+            _ => method.to_string(),
+        };
+        Err(Error::Config(format!(
+            "quantization_config: this is a {what} quantized checkpoint, which this engine \
+             does not run: use the unquantized (bf16/f16/f32) checkpoint it was made from"
+        )))
+    }
+}
+
 impl ModelConfig {
     /// Reads config.json and validates it.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -269,66 +303,5 @@ impl ModelConfig {
             Error::Config(msg) => Error::file(path, msg),
             other => other,
         })
-    }
-
-    /// The attention variant's short name: `mha`, `mqa`, `gqa` or `mla`.
-    pub fn attention_kind(&self) -> &'static str {
-        match &self.attention {
-            AttentionConfig::Gqa { num_kv_heads, .. }
-                if *num_kv_heads == self.num_attention_heads =>
-            {
-                "mha"
-            }
-            AttentionConfig::Gqa {
-                num_kv_heads: 1, ..
-            } => "mqa",
-            AttentionConfig::Gqa { .. } => "gqa",
-            AttentionConfig::Mla(_) => "mla",
-        }
-    }
-
-    /// What one layer caches per token. `expanded` asks MLA for its up-projected per-head K
-    /// and V instead of the latent (for comparisons); other layouts ignore it.
-    pub fn cache_layout(&self, expanded: bool) -> CacheLayout {
-        let h = self.num_attention_heads;
-        match &self.attention {
-            AttentionConfig::Gqa {
-                num_kv_heads: g,
-                head_dim: d,
-                ..
-            } => CacheLayout {
-                a: (*g, *d),
-                b: (*g, *d),
-                kv: true,
-            },
-            AttentionConfig::Mla(m) if expanded => CacheLayout {
-                a: (h, m.qk_nope_head_dim + m.qk_rope_head_dim),
-                b: (h, m.v_head_dim),
-                kv: true,
-            },
-            AttentionConfig::Mla(m) => CacheLayout {
-                a: (1, m.kv_lora_rank),
-                b: (1, m.qk_rope_head_dim),
-                kv: false,
-            },
-        }
-    }
-
-    /// Values the cache stores per token per layer.
-    pub fn kv_values_per_token_per_layer(&self) -> usize {
-        self.cache_layout(false).values()
-    }
-
-    /// What MHA with the same heads would cache per token per layer (for comparison).
-    pub fn mha_values_per_token_per_layer(&self) -> usize {
-        match &self.attention {
-            AttentionConfig::Gqa { head_dim, .. } => 2 * self.num_attention_heads * head_dim,
-            AttentionConfig::Mla(_) => self.cache_layout(true).values(),
-        }
-    }
-
-    /// KV-cache bytes per token over all layers at the given element size.
-    pub fn kv_bytes_per_token(&self, dtype_size: usize) -> usize {
-        self.num_hidden_layers * self.kv_values_per_token_per_layer() * dtype_size
     }
 }

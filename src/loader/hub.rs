@@ -2,7 +2,7 @@
 //! from the HF cache (`HF_HOME`, `HF_HUB_CACHE`) when present; `HF_HUB_OFFLINE=1` never
 //! touches the network and says what is missing.
 
-use super::{index_shards, ModelFiles};
+use super::files::{index_shards, ModelFiles};
 use crate::error::{Error, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo};
@@ -68,6 +68,8 @@ pub fn files(repo_id: &str) -> Result<ModelFiles> {
         config,
         weights,
         tokenizer: get("tokenizer.json", false)?,
+        tokenizer_config: get("tokenizer_config.json", false)?,
+        chat_template: get("chat_template.jinja", false)?,
         generation_config: get("generation_config.json", false)?,
     })
 }

@@ -104,16 +104,33 @@ impl Transformer {
 
     /// Logits (B, T, vocab) in f32 for every position of `ids`.
     pub fn forward(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let t = ids.dim(1)?;
+        self.forward_tail(ids, cache, t)?
+            .ok_or_else(|| Error::Invalid("no tokens to run".into()))
+    }
+
+    /// Runs `ids` (B, T) and returns the logits (B, keep, vocab) in f32 of its last `keep`
+    /// positions only (the LM head runs on those), or `None` when `keep` is 0.
+    pub fn forward_tail(
+        &self,
+        ids: &Tensor,
+        cache: &mut KvCache,
+        keep: usize,
+    ) -> Result<Option<Tensor>> {
         let x = self.hidden(ids, cache)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        let t = x.dim(1)?;
+        if keep == 0 {
+            return Ok(None);
+        }
+        let x = x.narrow(1, t - keep.min(t), keep.min(t))?;
+        Ok(Some(self.lm_head.forward(&x)?.to_dtype(DType::F32)?))
     }
 
     /// Logits (B, vocab) in f32 for the last position only: the LM head runs once.
     pub fn forward_last(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let x = self.hidden(ids, cache)?;
-        let t = x.dim(1)?;
-        let x = x.narrow(1, t - 1, 1)?;
-        Ok(self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?)
+        let logits = self.forward_tail(ids, cache, 1)?;
+        let logits = logits.ok_or_else(|| Error::Invalid("no tokens to run".into()))?;
+        Ok(logits.squeeze(1)?) // (B, vocab)
     }
 
     /// Feeds `ids` after what `cache` holds (a whole prompt in chunks of [`PREFILL_CHUNK`], or

@@ -3,9 +3,12 @@
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use tiny_decoder::loader::{self, Loaded};
 use tiny_decoder::KvCache;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_tiny-decoder");
 
 pub const FIXTURES: [&str; 9] = [
     "llama-mha-tied",
@@ -95,4 +98,67 @@ pub fn greedy(loaded: &Loaded, prompt: &[u32], n: usize) -> Vec<u32> {
         logits = model.next_logits(&[next], &mut cache).unwrap();
     }
     out
+}
+
+/// A fresh copy of a fixture in the test scratch directory.
+pub fn scratch(fixture: &str, case: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("scratch")
+        .join(case);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture_dir(fixture)).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "reference.json" {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    dir
+}
+
+/// Runs the CLI and returns stderr, checking the failure contract.
+pub fn fails(args: &[&str], env: &[(&str, &str)], expect: &str) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("internal error"),
+        "{args:?}: {stderr}"
+    );
+    assert_eq!(
+        stderr.trim().lines().count(),
+        1,
+        "{args:?}: not one line: {stderr}"
+    );
+    assert!(
+        stderr.contains(expect),
+        "{args:?}: expected {expect:?} in {stderr}"
+    );
+    stderr
+}
+
+pub fn edit_config(dir: &Path, edit: impl Fn(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(path, v.to_string()).unwrap();
+}
+
+/// Rewrites the safetensors header of `dir/model.safetensors`, keeping the data bytes.
+pub fn edit_header(dir: &Path, edit: impl Fn(&mut Value)) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let text = header.to_string();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(path, out).unwrap();
 }

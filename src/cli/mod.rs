@@ -1,0 +1,175 @@
+//! The commands behind the command line: each loads what it needs, runs the library and
+//! prints (JSON with `--json`, text otherwise). anyhow lives here, at the edge, only.
+
+pub mod args;
+mod generate;
+
+pub use generate::run_generate;
+
+use anyhow::{bail, Context, Result};
+use args::{BenchArgs, EvalArgs, ModelArgs, Placement};
+use candle_core::{DType, Device};
+use serde_json::json;
+use std::io::IsTerminal;
+use tiny_decoder::config::AttentionConfig;
+use tiny_decoder::eval::{self, Windows};
+use tiny_decoder::loader::{self, dtype_name, DTypeArg, Loaded, TextTokenizer};
+use tiny_decoder::{bench, ModelConfig};
+
+/// `--dtype` and `--device`.
+fn placement(p: &Placement) -> Result<(DTypeArg, Device)> {
+    Ok((DTypeArg::parse(&p.dtype)?, loader::parse_device(&p.device)?))
+}
+
+/// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...), at `--dtype`.
+fn load(model: &str, p: &Placement) -> Result<Loaded> {
+    let (dtype, device) = placement(p)?;
+    Ok(loader::open(model)?.load(dtype, &device)?)
+}
+
+fn tokenizer<'a>(loaded: &'a Loaded, model: &str) -> Result<&'a TextTokenizer> {
+    loaded
+        .tokenizer
+        .as_ref()
+        .with_context(|| format!("{model}: missing tokenizer.json"))
+}
+
+/// The attention fields `info` reports: K/V heads, or MLA's latent widths.
+fn attention_fields(cfg: &ModelConfig) -> serde_json::Value {
+    match &cfg.attention {
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            ..
+        } => json!({"num_key_value_heads": num_kv_heads, "head_dim": head_dim}),
+        AttentionConfig::Mla(m) => json!({
+            "kv_lora_rank": m.kv_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim,
+        }),
+    }
+}
+
+pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
+    let (dtype, device) = placement(&m.placement)?;
+    let d = loader::open(&m.model)?.describe(dtype, &device)?;
+    let (cfg, size) = (&d.cfg, d.dtype.size_in_bytes());
+    let mut info = json!({
+        "model_type": cfg.family.model_type(),
+        "attention": cfg.attention_kind(),
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_parameters": d.num_parameters,
+        "weight_bytes": d.num_parameters * size,
+        "dtype": dtype_name(d.dtype),
+        "checkpoint_dtype": d.checkpoint_dtype.map(dtype_name),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
+        "mha_kv_bytes_per_token": cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * size,
+    });
+    if let (Some(map), serde_json::Value::Object(more)) =
+        (info.as_object_mut(), attention_fields(cfg))
+    {
+        map.extend(more);
+    }
+    if json_mode {
+        println!("{info}");
+    } else if let Some(map) = info.as_object() {
+        for (k, v) in map {
+            println!("{k:>26}: {v}");
+        }
+    }
+    Ok(())
+}
+
+pub fn run_eval(a: EvalArgs) -> Result<()> {
+    let file = &a.file;
+    let bytes = std::fs::read(file).with_context(|| format!("{}: cannot read", file.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", file.display()))?;
+    if text.trim().is_empty() {
+        bail!("{}: the file is empty", file.display());
+    }
+    let loaded = load(&a.model.model, &a.model.placement)?;
+    let ids = tokenizer(&loaded, &a.model.model)?.encode(&text)?;
+    let mut windows = Windows::full(&loaded.model);
+    if let Some(context) = a.context {
+        windows.context = context;
+        windows.stride = context.saturating_sub(1).max(1);
+    }
+    if let Some(stride) = a.stride {
+        windows.stride = stride;
+    }
+    let bar = match std::io::stderr().is_terminal() && !a.json {
+        true => indicatif::ProgressBar::new(0),
+        false => indicatif::ProgressBar::hidden(),
+    };
+    let nll = eval::evaluate_windows(&loaded.model, &ids, windows, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    let peak = bench::peak_rss_bytes();
+    let dtype = dtype_name(loaded.model.dtype());
+    if a.json {
+        println!(
+            "{}",
+            json!({"tokens": nll.tokens, "mean_nll": nll.mean(), "perplexity": nll.perplexity(),
+                   "context": windows.context, "stride": windows.stride,
+                   "peak_rss_bytes": peak, "dtype": dtype})
+        );
+    } else {
+        println!(
+            "tokens: {}  mean NLL: {:.6} nats  perplexity: {:.4}  ({dtype}, context {}, stride {}, peak RSS {} MB)",
+            nll.tokens,
+            nll.mean(),
+            nll.perplexity(),
+            windows.context,
+            windows.stride,
+            peak.unwrap_or(0) / 1_000_000
+        );
+    }
+    Ok(())
+}
+
+pub fn run_bench(b: BenchArgs) -> Result<()> {
+    let loaded = match (&b.model, &b.config) {
+        (Some(m), _) => load(m, &b.placement)?,
+        (None, Some(c)) => {
+            let (dtype, device) = placement(&b.placement)?;
+            // Random weights have no checkpoint dtype: `auto` is f32.
+            let dtype = dtype.resolve(None, Some(DType::F32), &device);
+            loader::random(&ModelConfig::from_file(c)?, dtype, &device)?
+        }
+        (None, None) => bail!("bench needs --model or --config"),
+    };
+    let expanded = b.mla_cache == "expanded";
+    let r = bench::run(
+        &loaded.model,
+        loaded.weight_bytes,
+        b.prompt_tokens,
+        b.new_tokens,
+        expanded,
+    )?;
+    let mut out = serde_json::to_value(&r)?;
+    out["peak_rss_bytes"] = json!(bench::peak_rss_bytes());
+    out["num_parameters"] = json!(loaded.num_parameters);
+    out["attention"] = json!(loaded.model.config().attention_kind());
+    out["dtype"] = json!(dtype_name(loaded.model.dtype()));
+    if b.json {
+        println!("{out}");
+    } else {
+        println!(
+            "{} | prefill {:.1} tok/s | decode {:.1} tok/s | {:.1} GB/s read | weights {} MB | KV {} bytes | peak RSS {} MB",
+            dtype_name(loaded.model.dtype()),
+            r.prefill_tokens_per_s,
+            r.decode_tokens_per_s,
+            r.decode_read_gb_per_s,
+            r.weight_bytes / 1_000_000,
+            r.kv_cache_bytes,
+            bench::peak_rss_bytes().unwrap_or(0) / 1_000_000
+        );
+    }
+    Ok(())
+}
