@@ -41,6 +41,8 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
         seed: a.seed,
     };
     let mut sampler = Sampler::new(&params)?;
+    // Before loading, so a Ctrl-C during a long load stops as cleanly as one mid-stream.
+    catch_interrupt();
     let model_name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
     let loaded = load(model_name, &a.placement)?;
     let tok = tokenizer(&loaded, model_name)?;
@@ -51,7 +53,6 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
              config.json or tokenizer_config.json): generating until --max-new-tokens"
         );
     }
-    catch_interrupt();
     let mut stdout = std::io::stdout().lock();
     let json_mode = a.json;
     let g = generate::generate_until(
