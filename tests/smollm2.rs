@@ -189,7 +189,7 @@ fn smollm2_bf16_runs_in_bf16_within_its_weight_bytes() {
 #[test]
 fn smollm2_ctrl_c_prints_what_was_generated() {
     let Some(dir) = f32_dir() else { return };
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .args([
             "generate",
             "-m",

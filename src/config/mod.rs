@@ -3,6 +3,7 @@
 //! with no `Option`s, rejecting what the engine cannot run with a message naming the field.
 
 pub mod deepseek;
+mod family;
 mod gqa;
 mod layout;
 mod rope;
@@ -10,6 +11,7 @@ mod rope;
 use crate::error::{Error, Result};
 use candle_core::DType;
 pub use deepseek::{MlaConfig, MoeConfig, Router};
+pub use family::Family;
 pub use layout::{check_fits, CacheLayout};
 pub use rope::{HfRope, RopeConfig, RopeScaling, YarnScaling};
 use serde::Deserialize;
@@ -73,40 +75,6 @@ pub struct HfConfig {
 
 fn default_eps() -> f64 {
     1e-6
-}
-
-/// The model families the engine loads; `model_type` selects one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    Llama,
-    Mistral,
-    Qwen2,
-    Qwen3,
-    DeepseekV2,
-    DeepseekV3,
-}
-
-impl Family {
-    pub const ALL: [Family; 6] = [
-        Family::Llama,
-        Family::Mistral,
-        Family::Qwen2,
-        Family::Qwen3,
-        Family::DeepseekV2,
-        Family::DeepseekV3,
-    ];
-
-    /// The `model_type` of config.json.
-    pub fn model_type(&self) -> &'static str {
-        match self {
-            Family::Llama => "llama",
-            Family::Mistral => "mistral",
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-            Family::DeepseekV2 => "deepseek_v2",
-            Family::DeepseekV3 => "deepseek_v3",
-        }
-    }
 }
 
 /// How the attention layer is built and what the cache holds per token.
@@ -192,25 +160,10 @@ impl HfConfig {
             .map_err(|e| Error::file(path, format!("not a valid config: {e}")))
     }
 
-    pub fn family(&self) -> Result<Family> {
-        Family::ALL
-            .into_iter()
-            .find(|f| f.model_type() == self.model_type)
-            .ok_or_else(|| {
-                let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
-                let msg = format!(
-                    "unknown model_type {:?} (supported: {})",
-                    self.model_type,
-                    known.join(", ")
-                );
-                Error::Config(msg)
-            })
-    }
-
     /// Resolves every size and rejects what the engine cannot run.
     pub fn validate(&self) -> Result<ModelConfig> {
         self.refuse_quantized()?;
-        let family = self.family()?;
+        let family = Family::of(&self.model_type)?;
         let hidden_size = positive("hidden_size", self.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", self.num_attention_heads)?;
         let max_position_embeddings =
