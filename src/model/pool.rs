@@ -64,10 +64,14 @@ impl Pool {
     /// cores) minus the caller.
     pub fn global() -> &'static Pool {
         static POOL: OnceLock<Pool> = OnceLock::new();
-        POOL.get_or_init(|| Pool::new(candle_core::utils::get_num_threads().saturating_sub(1)))
+        POOL.get_or_init(|| {
+            Pool::with_helpers(candle_core::utils::get_num_threads().saturating_sub(1))
+        })
     }
 
-    fn new(helpers: usize) -> Pool {
+    /// A pool of its own with `helpers` threads besides the caller (fewer if the OS refuses
+    /// some).
+    pub fn with_helpers(helpers: usize) -> Pool {
         let shared = Arc::new(Shared {
             job: AtomicPtr::new(std::ptr::null_mut()),
             generation: AtomicU64::new(0),
