@@ -194,7 +194,10 @@ fn a_dropped_pool_lets_its_helpers_go() {
         for _ in 0..20 {
             let pool = Pool::with_helpers(2);
             assert_eq!(pool.threads(), 3);
-            healthy_job(&pool, 4);
+            assert!(
+                healthy_job(&pool, 4) > 0,
+                "no helper ran a chunk of a new pool"
+            );
         }
         // 40 helpers were started; the other tests' pools hold at most 4 at a time.
         let gone = wait_for(|| helper_threads() <= 8);
