@@ -30,6 +30,36 @@ fn isas() -> Vec<Isa> {
     }
 }
 
+/// Whether this CPU runs the instructions of `isa`, asked directly of the CPU.
+fn cpu_has(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let (avx2, avx512) = (
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl"),
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let (avx2, avx512) = (false, false);
+    match isa {
+        Isa::Avx512 => avx512,
+        Isa::Avx2 => avx2,
+        Isa::Scalar => true,
+    }
+}
+
+#[test]
+fn safe_code_cannot_make_an_isa_this_cpu_lacks() {
+    // The safe `rows_f32(isa, ..)` runs `isa`'s instructions: any value safe code can make
+    // must be one this CPU has.
+    for isa in [Isa::Avx512, Isa::Avx2, Isa::Scalar] {
+        assert!(
+            cpu_has(isa),
+            "safe code made {isa:?}, which this CPU lacks: rows_f32 would execute it"
+        );
+    }
+}
+
 const SHAPES: [(usize, usize); 12] = [
     (1, 1),
     (2, 2),
