@@ -3,8 +3,8 @@
 //! (ignored, run with `--release -- --ignored --nocapture`) a bandwidth and overhead probe.
 
 use candle_core::{DType, Device, Module, Tensor};
-use tiny_decoder::model::linear::simd::{self, Isa};
-use tiny_decoder::model::linear::{matvec, Linear};
+use tiny_decoder::model::linear::simd::{self, Isa, IsaError, IsaKind};
+use tiny_decoder::model::linear::{matvec, route, Linear, Route};
 
 /// Deterministic values in [-1, 1) from a 64-bit LCG.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -21,13 +21,87 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Sets to test on this CPU: always scalar, plus whatever it supports.
+/// Sets to test on this CPU: every one it supports, scalar included.
 fn isas() -> Vec<Isa> {
-    match Isa::detect() {
-        Isa::Avx512 => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512],
-        Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
-        Isa::Scalar => vec![Isa::Scalar],
+    let isas = Isa::supported();
+    assert_eq!(isas.first(), Some(&Isa::SCALAR));
+    isas
+}
+
+/// Whether this CPU runs the instructions of `kind`, asked directly of the CPU.
+fn cpu_has(kind: IsaKind) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let (avx2, avx512) = (
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl"),
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let (avx2, avx512) = (false, false);
+    match kind {
+        IsaKind::Avx512 => avx512,
+        IsaKind::Avx2 => avx2,
+        IsaKind::Scalar => true,
     }
+}
+
+const KINDS: [IsaKind; 3] = [IsaKind::Scalar, IsaKind::Avx2, IsaKind::Avx512];
+
+#[test]
+fn safe_code_cannot_make_an_isa_this_cpu_lacks() {
+    // The safe `rows_f32(isa, ..)` runs `isa`'s instructions, so an `Isa` is made only for a
+    // set the CPU has (its field is private: `Isa(IsaKind::Avx512)` does not compile, see
+    // the compile_fail doctest on `Isa`).
+    for kind in KINDS {
+        let isa = Isa::new(kind);
+        assert_eq!(isa.is_some(), cpu_has(kind), "Isa::new({kind:?})");
+        assert!(isa.is_none_or(|isa| isa.kind() == kind));
+    }
+    let best = KINDS.into_iter().filter(|&k| cpu_has(k)).max();
+    assert_eq!(Some(Isa::detect().kind()), best);
+    assert!(Isa::current().kind() <= Isa::detect().kind());
+}
+
+#[test]
+fn isa_names_are_checked_against_the_cpu() {
+    for (name, kind) in [("avx512", IsaKind::Avx512), ("AVX2", IsaKind::Avx2)] {
+        match Isa::from_name(name) {
+            Ok(isa) => assert!(cpu_has(kind) && isa.kind() == kind, "{name}"),
+            Err(e) => {
+                assert!(!cpu_has(kind), "{name}: {e}");
+                assert_eq!(e, IsaError::Unsupported(name.into()));
+            }
+        }
+    }
+    assert_eq!(Isa::from_name("scalar"), Ok(Isa::SCALAR));
+    let e = Isa::from_name("sse9").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avx2, scalar"
+    );
+}
+
+#[test]
+fn linear_routes_by_instruction_set() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let w = Tensor::zeros((8, 16), DType::F32, &dev)?;
+    let (one, four) = (
+        Tensor::zeros((1, 16), DType::F32, &dev)?,
+        Tensor::zeros((4, 16), DType::F32, &dev)?,
+    );
+    // No explicit SIMD: candle's matmul, whatever the rows.
+    assert_eq!(route(Isa::SCALAR, &one, &w), Route::Candle);
+    assert_eq!(route(Isa::SCALAR, &four, &w), Route::Candle);
+    if let Some(avx2) = Isa::new(IsaKind::Avx2) {
+        assert_eq!(route(avx2, &one, &w), Route::Kernel);
+        assert_eq!(route(avx2, &four, &w), Route::Candle);
+    }
+    if let Some(avx512) = Isa::new(IsaKind::Avx512) {
+        assert_eq!(route(avx512, &one, &w), Route::Kernel);
+        assert_eq!(route(avx512, &four, &w), Route::Kernel);
+    }
+    Ok(())
 }
 
 const SHAPES: [(usize, usize); 12] = [

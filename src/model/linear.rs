@@ -5,14 +5,15 @@
 //! candle's general GEMM leaves most of the memory bandwidth unused at M = 1, and at small M
 //! runs AVX2 code; [`matvec`] is an explicit-SIMD product split over a small persistent pool
 //! ([`matvec::MatVec`]). Every other case (CUDA, dtypes other than f32/bf16, a non-contiguous
-//! weight, several rows without AVX-512) is candle's matmul exactly as `candle_nn::Linear`
-//! runs it.
+//! weight, several rows without AVX-512, any row without AVX2) is candle's matmul exactly as
+//! `candle_nn::Linear` runs it ([`route`]).
 
 pub mod matvec;
 pub mod simd;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
+use simd::Isa;
 
 #[derive(Clone, Debug)]
 pub struct Linear {
@@ -53,24 +54,38 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
     candle_nn::linear_no_bias(in_dim, out_dim, vb).map(Linear::from)
 }
 
-/// Whether `x · wᵀ` can take our kernel.
-fn use_matvec(x: &Tensor, w: &Tensor) -> bool {
+/// Which product runs `x · wᵀ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Our kernel, [`matvec::MatVec`].
+    Kernel,
+    /// candle's matmul, as `candle_nn::Linear` runs it.
+    Candle,
+}
+
+/// Where `x · wᵀ` goes when the kernels run `isa` ([`Isa::current`] in [`matvec`]).
+pub fn route(isa: Isa, x: &Tensor, w: &Tensor) -> Route {
     let k = x.dims().last().copied().unwrap_or(0);
-    x.device().is_cpu()
+    let kernel = x.device().is_cpu()
         && k > 0
-        && matvec::takes_rows(x.elem_count() / k)
+        && matvec::takes_rows(isa, x.elem_count() / k)
         && w.rank() == 2
         && w.dim(1).ok() == Some(k)
         && w.is_contiguous()
         && x.dtype() == w.dtype()
-        && matches!(w.dtype(), DType::F32 | DType::BF16)
+        && matches!(w.dtype(), DType::F32 | DType::BF16);
+    if kernel {
+        Route::Kernel
+    } else {
+        Route::Candle
+    }
 }
 
 /// `x · wᵀ` for x (.., K) and w (N, K): our kernel where it applies, candle's matmul otherwise.
 pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    match use_matvec(x, w) {
-        true => x.contiguous()?.apply_op2_no_bwd(w, &matvec::MatVec),
-        false => candle_matmul(x, w),
+    match route(Isa::current(), x, w) {
+        Route::Kernel => x.contiguous()?.apply_op2_no_bwd(w, &matvec::MatVec),
+        Route::Candle => candle_matmul(x, w),
     }
 }
 

@@ -7,8 +7,10 @@
 //! against ~210 products per token). Here a product costs one atomic store when a helper is
 //! spinning, and if no helper shows up the caller simply does every chunk itself.
 
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 /// How long a helper polls for the next job before it sleeps on the condvar. It polls with
@@ -19,22 +21,58 @@ const SPIN: Duration = Duration::from_micros(100);
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
     n: usize,
-    /// The next chunk to hand out.
+    /// The next chunk to hand out; set to `n` after a panic, so the rest are skipped.
     next: AtomicUsize,
-    /// Chunks finished.
-    done: AtomicUsize,
+    /// The first chunk's panic, caught, for the caller to resume.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 impl Job<'_> {
-    /// Takes and runs chunks until none are left.
+    fn new(f: &(dyn Fn(usize) + Sync), n: usize) -> Job<'_> {
+        Job {
+            f,
+            n,
+            next: AtomicUsize::new(0),
+            panic: Mutex::new(None),
+        }
+    }
+
+    /// Takes and runs chunks until none are left. A panic in a chunk is caught and kept, so
+    /// it never unwinds out of a helper (which would then never finish) or out of the
+    /// caller's share while helpers still use the job.
     fn work(&self) {
         loop {
             let i = self.next.fetch_add(1, SeqCst);
             if i >= self.n {
                 return;
             }
-            (self.f)(i);
-            self.done.fetch_add(1, SeqCst);
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
+                self.next.store(self.n, SeqCst);
+                let mut first = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+                first.get_or_insert(p);
+            }
+        }
+    }
+
+    /// Resumes the first panic of a chunk, if any, in the caller.
+    fn finish(self) {
+        let panic = self.panic.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = panic {
+            resume_unwind(p);
+        }
+    }
+}
+
+/// Takes a job back from the helpers when dropped, on unwinding too: clears the published
+/// pointer and waits until no helper can still hold it.
+struct Retire<'a>(&'a Shared);
+
+impl Drop for Retire<'_> {
+    fn drop(&mut self) {
+        self.0.job.store(std::ptr::null_mut(), SeqCst);
+        // A helper may be descheduled mid-chunk: yield so it can run on this core.
+        while self.0.active.load(SeqCst) > 0 {
+            std::thread::yield_now();
         }
     }
 }
@@ -48,8 +86,21 @@ struct Shared {
     active: AtomicUsize,
     /// Helpers asleep (or about to sleep) on `wake`.
     sleepers: AtomicUsize,
+    /// Set when the pool is dropped: helpers leave at the next generation.
+    stop: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
+}
+
+impl Shared {
+    /// A new generation: wakes the helpers, spinning or asleep.
+    fn bump(&self) {
+        self.generation.fetch_add(1, SeqCst);
+        if self.sleepers.load(SeqCst) > 0 {
+            let _l = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.wake.notify_all();
+        }
+    }
 }
 
 pub struct Pool {
@@ -64,15 +115,20 @@ impl Pool {
     /// cores) minus the caller.
     pub fn global() -> &'static Pool {
         static POOL: OnceLock<Pool> = OnceLock::new();
-        POOL.get_or_init(|| Pool::new(candle_core::utils::get_num_threads().saturating_sub(1)))
+        POOL.get_or_init(|| {
+            Pool::with_helpers(candle_core::utils::get_num_threads().saturating_sub(1))
+        })
     }
 
-    fn new(helpers: usize) -> Pool {
+    /// A pool of its own with `helpers` threads besides the caller (fewer if the OS refuses
+    /// some).
+    pub fn with_helpers(helpers: usize) -> Pool {
         let shared = Arc::new(Shared {
             job: AtomicPtr::new(std::ptr::null_mut()),
             generation: AtomicU64::new(0),
             active: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -98,45 +154,47 @@ impl Pool {
     }
 
     /// Runs `f(i)` for `i in 0..n`, spread over the caller and the helpers; returns when all
-    /// are done.
+    /// are done. If a chunk panics, the chunks not yet started are skipped and the panic is
+    /// resumed here, once no helper is inside the job any more.
     pub fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
-        let job = Job {
-            f,
-            n,
-            next: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
+        let job = Job::new(f, n);
+        // Poisoned only if a panic escaped an earlier `run` while holding it (none should):
+        // the pool is fine either way.
+        let guard = match self.caller.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         };
-        let Ok(_guard) = self.caller.try_lock() else {
-            return job.work();
-        };
-        if self.helpers == 0 || n <= 1 {
-            return job.work();
+        if guard.is_some() && self.helpers > 0 && n > 1 {
+            let s = &self.shared;
+            // SAFETY: the pointer is published only until `_retire` drops, at the end of
+            // this block or while unwinding from it: it clears the pointer and waits for
+            // `active == 0`, so no helper dereferences it after `job` dies.
+            let _retire = Retire(s);
+            s.job
+                .store(&job as *const Job<'_> as *mut Job<'static>, SeqCst);
+            s.bump();
+            job.work();
+        } else {
+            job.work();
         }
-        let s = &self.shared;
-        // SAFETY: the pointer is published only until the end of this call: it is cleared
-        // below, and we wait for `active == 0`, so no helper dereferences it after `job` dies.
-        let ptr = &job as *const Job<'_> as *mut Job<'static>;
-        s.job.store(ptr, SeqCst);
-        s.generation.fetch_add(1, SeqCst);
-        if s.sleepers.load(SeqCst) > 0 {
-            let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
-            s.wake.notify_all();
-        }
-        job.work();
-        // A helper may be descheduled mid-chunk: yield so it can run on this core.
-        while job.done.load(SeqCst) < n {
-            std::thread::yield_now();
-        }
-        s.job.store(std::ptr::null_mut(), SeqCst);
-        while s.active.load(SeqCst) > 0 {
-            std::thread::yield_now();
-        }
+        drop(guard);
+        job.finish()
+    }
+}
+
+impl Drop for Pool {
+    /// Lets the helpers go (they exit at their next wake-up).
+    fn drop(&mut self) {
+        self.shared.stop.store(true, SeqCst);
+        self.shared.bump();
     }
 }
 
 /// A helper's life: wait for a new generation (spin, then sleep), help with the job, repeat.
 fn helper(s: &Shared) {
-    let mut seen = s.generation.load(SeqCst);
+    // Generation 0 is the pool's start: a job posted before this thread ran is still new.
+    let mut seen = 0;
     loop {
         let start = Instant::now();
         while s.generation.load(SeqCst) == seen && start.elapsed() < SPIN {
@@ -149,6 +207,9 @@ fn helper(s: &Shared) {
                 l = s.wake.wait(l).unwrap_or_else(|e| e.into_inner());
             }
             s.sleepers.fetch_sub(1, SeqCst);
+        }
+        if s.stop.load(SeqCst) {
+            return;
         }
         seen = s.generation.load(SeqCst);
         s.active.fetch_add(1, SeqCst);

@@ -9,7 +9,7 @@
 //! merged at the end. Scores use the [`simd`] matrix kernel (the group's query heads are the
 //! rows of x, the cached keys the rows of W); the value sum is [`accumulate`].
 
-use crate::model::linear::simd::{self, Isa};
+use crate::model::linear::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Result, Shape};
@@ -31,7 +31,7 @@ pub struct DecodeAttention {
 pub fn takes(q: &candle_core::Tensor) -> bool {
     q.device().is_cpu()
         && matches!(q.dtype(), DType::F32 | DType::BF16)
-        && Isa::current() == Isa::Avx512
+        && Isa::current().kind() == IsaKind::Avx512
 }
 
 /// One (batch, K/V head, block) result: per query head of the group, the max score, the sum
@@ -84,10 +84,10 @@ impl Cached for u16 {
 /// `acc (M, Dv) += p (M, L) · v (L, Dv)`, one row of v at a time (a block of v is read
 /// once per query head, from cache).
 fn accumulate<T: Cached>(isa: Isa, p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` came from `Isa::current`, so this CPU has AVX-512.
-        Isa::Avx512 => unsafe { accumulate_avx512(p, v, dv, acc) },
+        // SAFETY: an `Isa` of this kind exists only on a CPU with AVX-512.
+        IsaKind::Avx512 => unsafe { accumulate_avx512(p, v, dv, acc) },
         _ => accumulate_plain(p, v, dv, acc),
     }
 }

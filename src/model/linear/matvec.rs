@@ -6,7 +6,7 @@
 //! widened and put in [`simd::pair_layout`] once, W widened in registers, the result rounded
 //! to bf16). Anything else is the caller's job to route to candle's matmul.
 
-use super::simd::{self, Isa};
+use super::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Error, Layout, Result, Shape};
@@ -19,10 +19,11 @@ const SERIAL_BYTES: usize = 96 * 1024;
 /// descheduled (the machine may be shared).
 const CHUNKS_PER_THREAD: usize = 4;
 
-/// Whether a product with `m` rows of x belongs here: one row always; several when the
-/// kernels tile them (AVX-512), since elsewhere each row would be another pass over `W`.
-pub fn takes_rows(m: usize) -> bool {
-    m == 1 || (m > 1 && simd::tiles_rows(Isa::current()))
+/// Whether a product with `m` rows of x belongs here with the kernels of `isa`: one row with
+/// explicit SIMD; several when the kernels tile them (AVX-512), since elsewhere each row
+/// would be another pass over `W`. Never with the scalar loop: candle's matmul is faster.
+pub fn takes_rows(isa: Isa, m: usize) -> bool {
+    isa.kind() != IsaKind::Scalar && (m == 1 || (m > 1 && simd::tiles_rows(isa)))
 }
 
 /// `y`'s base pointer, shared by chunks that each write their own disjoint columns.
@@ -35,7 +36,7 @@ unsafe impl Sync for Out {}
 type Kernel<W> = unsafe fn(Isa, &[f32], usize, &[W], *mut f32, usize);
 
 /// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), in parallel when the work is large enough.
-pub fn product<W: Sync>(x: &[f32], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<W>) {
+fn product<W: Sync>(x: &[f32], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<W>) {
     let (isa, pool) = (Isa::current(), Pool::global());
     if k == 0 {
         return y.fill(0.0);

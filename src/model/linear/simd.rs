@@ -1,53 +1,122 @@
 //! Kernels for `y[m, r] = Σ_k x[m, k] · W[r, k]` over a slice of the rows of `W` (row-major,
 //! width `k`) and one or more rows of `x`, with f32 weights or bf16 weights (raw `u16` bits,
-//! widened to f32 in registers). Three instruction sets, chosen once at run time: AVX-512
-//! (f + bw + vl), AVX2 + FMA ([`x86`]), and a portable scalar loop. Accumulation is always
-//! in f32. Weights are prefetched ahead of the loads; on AVX-512 a tile of 4 weight rows × 4
-//! rows of x stays in registers, so a prompt chunk reads each weight row once.
+//! widened to f32 in registers). Three instruction sets, chosen once at run time ([`Isa`],
+//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA ([`x86`]), and a
+//! portable scalar loop, the tests' reference. Accumulation is always in f32. Weights are
+//! prefetched ahead of the loads; on AVX-512 a tile of 4 weight rows × 4 rows of x stays in
+//! registers, so a prompt chunk reads each weight row once.
 //!
 //! bf16 weights are read in pairs: a 32-bit lane holding `W[r, 2i]` (low half) and
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
 //! widening shuffle. So the bf16 kernels take `x` in [`pair_layout`]: its even-indexed
 //! values, then its odd-indexed ones, split once per product instead of once per row.
 
-/// The instruction set the kernels run with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    Avx512,
-    Avx2,
+/// The environment variable that forces a lower instruction set than the CPU's best:
+/// `avx512`, `avx2` or `scalar`.
+pub const ISA_VAR: &str = "TINY_DECODER_ISA";
+
+/// The instruction sets there are kernels for, weakest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaKind {
     Scalar,
+    Avx2,
+    Avx512,
+}
+
+/// An instruction set the kernels run with, and the proof that this CPU has it: every way
+/// to get one asks the CPU first ([`Isa::new`], [`Isa::detect`], [`Isa::current`]), so the
+/// safe functions below may run its instructions. Safe code cannot make one otherwise:
+///
+/// ```compile_fail,E0603
+/// use tiny_decoder::model::linear::simd::{Isa, IsaKind};
+/// let isa = Isa(IsaKind::Avx512); // the field is private
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Isa(IsaKind);
+
+/// Why [`ISA_VAR`] could not be followed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IsaError {
+    #[error("{ISA_VAR}={0:?} is not one of avx512, avx2, scalar")]
+    Unknown(String),
+    #[error("{ISA_VAR}={0}: this CPU does not support it")]
+    Unsupported(String),
 }
 
 impl Isa {
-    /// [`Isa::detect`], once per process.
-    pub fn current() -> Isa {
-        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *ISA.get_or_init(Isa::detect)
+    /// The portable loop, which every CPU runs.
+    pub const SCALAR: Isa = Isa(IsaKind::Scalar);
+
+    /// `kind`, if this CPU (and OS) runs its instructions.
+    pub fn new(kind: IsaKind) -> Option<Isa> {
+        cpu_has(kind).then_some(Isa(kind))
+    }
+
+    pub fn kind(self) -> IsaKind {
+        self.0
     }
 
     /// The best set this CPU supports.
     pub fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-            {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
+        *Isa::supported().last().unwrap_or(&Isa::SCALAR)
+    }
+
+    /// Every set this CPU supports, weakest first.
+    pub fn supported() -> Vec<Isa> {
+        [IsaKind::Scalar, IsaKind::Avx2, IsaKind::Avx512]
+            .into_iter()
+            .filter_map(Isa::new)
+            .collect()
+    }
+
+    /// The set named `name` (`avx512`, `avx2` or `scalar`), if this CPU supports it.
+    pub fn from_name(name: &str) -> Result<Isa, IsaError> {
+        let kind = match name.trim().to_ascii_lowercase().as_str() {
+            "avx512" => IsaKind::Avx512,
+            "avx2" => IsaKind::Avx2,
+            "scalar" => IsaKind::Scalar,
+            _ => return Err(IsaError::Unknown(name.into())),
+        };
+        Isa::new(kind).ok_or_else(|| IsaError::Unsupported(name.into()))
+    }
+
+    /// The set the kernels use, decided once per process: the one [`ISA_VAR`] names, else
+    /// [`Isa::detect`]. A name this CPU lacks (or an unknown one) is said once on stderr,
+    /// and the detected set is used.
+    pub fn current() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| match std::env::var(ISA_VAR) {
+            Ok(name) if !name.trim().is_empty() => Isa::from_name(&name).unwrap_or_else(|e| {
+                let best = Isa::detect();
+                let name = format!("{:?}", best.kind()).to_ascii_lowercase();
+                eprintln!("warning: {e}; using {name}");
+                best
+            }),
+            _ => Isa::detect(),
+        })
     }
 }
 
-/// How many weights ahead of the loads the kernels ask for memory to be fetched (8 KB of f32,
-/// 4 KB of bf16). The hardware prefetcher alone left a quarter of the bandwidth unused:
-/// SmolLM-135M decode went from 24.6 to 29.8 tok/s in f32 and from 32.2 to 43.4 in bf16
-/// (medians of alternating runs; 0, 4, 8 and 16 KB ahead were tried).
-const PREFETCH_AHEAD: usize = 2048;
+/// Whether this CPU, and the OS (which must save the wider registers), run `kind`.
+fn cpu_has(kind: IsaKind) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match kind {
+            IsaKind::Scalar => true,
+            IsaKind::Avx2 => avx2,
+            IsaKind::Avx512 => {
+                avx2 && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        kind == IsaKind::Scalar
+    }
+}
 
 /// Widens bf16 bits to f32 (exact: bf16 is the top half of an f32).
 #[inline(always)]
@@ -103,17 +172,17 @@ fn check_shapes(x: usize, k: usize, w: usize, y: usize) -> usize {
 /// a parallel caller uses to write its own columns of a shared output.
 ///
 /// # Safety
-/// `x.len()` and `w.len()` are multiples of `k > 0`, `y` is valid for writes at every
-/// `m·ldy + r` above and nothing else touches those places meanwhile, and `isa` is
-/// supported by this CPU (it is whenever it came from [`Isa::detect`]).
+/// `x.len()` and `w.len()` are multiples of `k > 0`, and `y` is valid for writes at every
+/// `m·ldy + r` above and nothing else touches those places meanwhile. (That this CPU runs
+/// `isa` is not the caller's to prove: an [`Isa`] exists only for a set the CPU has.)
 pub unsafe fn rows_f32_strided(isa: Isa, x: &[f32], k: usize, w: &[f32], y: *mut f32, ldy: usize) {
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller's contract is the kernel's.
-        Isa::Avx512 => unsafe { x86::f32_avx512(x, k, w, y, ldy) },
+        // SAFETY: the caller's contract is the kernel's, and the CPU has AVX-512 (`Isa`).
+        IsaKind::Avx512 => unsafe { x86::f32_avx512(x, k, w, y, ldy) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { x86::f32_avx2(x, k, w, y, ldy) },
+        // SAFETY: as above, with AVX2 and FMA.
+        IsaKind::Avx2 => unsafe { x86::f32_avx2(x, k, w, y, ldy) },
         // SAFETY: as above.
         _ => unsafe { rows_scalar(x, k, w, y, ldy, dot_f32) },
     }
@@ -131,13 +200,13 @@ pub unsafe fn rows_bf16_strided(
     y: *mut f32,
     ldy: usize,
 ) {
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller's contract is the kernel's.
-        Isa::Avx512 => unsafe { x86::bf16_avx512(xp, k, w, y, ldy) },
+        // SAFETY: the caller's contract is the kernel's, and the CPU has AVX-512 (`Isa`).
+        IsaKind::Avx512 => unsafe { x86::bf16_avx512(xp, k, w, y, ldy) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { x86::bf16_avx2(xp, k, w, y, ldy) },
+        // SAFETY: as above, with AVX2 and FMA.
+        IsaKind::Avx2 => unsafe { x86::bf16_avx2(xp, k, w, y, ldy) },
         // SAFETY: as above.
         _ => unsafe { rows_scalar(xp, k, w, y, ldy, dot_bf16) },
     }
@@ -147,10 +216,12 @@ pub unsafe fn rows_bf16_strided(
 /// 4 weight rows × 4 x rows), so that a product of many rows reads `w` once per 64 rows.
 /// Elsewhere each row of x is a pass over `w`, and candle's GEMM is the better choice.
 pub fn tiles_rows(isa: Isa) -> bool {
-    isa == Isa::Avx512
+    isa.kind() == IsaKind::Avx512
 }
 
-/// The portable path: one dot product per (row of x, row of w).
+/// The portable path: one dot product per (row of x, row of w). It is the reference the
+/// tests hold the others to; a model without AVX2 runs candle's matmul instead (see
+/// `matvec::takes_rows`).
 ///
 /// # Safety
 /// As for [`rows_f32_strided`].
@@ -171,6 +242,8 @@ unsafe fn rows_scalar<W>(
 }
 
 /// `Σ x[j] · row[j]` for `j >= from`, with eight independent sums so the adds can overlap.
+/// Plain `a * b + c`, not `mul_add`: without FMA enabled at compile time that is a call to
+/// `fmaf` per element (0.8 GB/s), where this leaves the compiler free to vectorise.
 fn dot_f32(x: &[f32], row: &[f32], from: usize) -> f32 {
     let (x, row) = (&x[from..], &row[from..]);
     let mut acc = [0f32; 8];
@@ -183,7 +256,7 @@ fn dot_f32(x: &[f32], row: &[f32], from: usize) -> f32 {
         .sum();
     for (xc, wc) in xb.zip(wb) {
         for j in 0..8 {
-            acc[j] = wc[j].mul_add(xc[j], acc[j]);
+            acc[j] += wc[j] * xc[j];
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -197,7 +270,7 @@ fn dot_bf16(xp: &[f32], row: &[u16], from: usize) -> f32 {
     let pairs = (from.div_ceil(2)..k / 2)
         .map(|i| (i, bf16_to_f32(row[2 * i]), bf16_to_f32(row[2 * i + 1])));
     for (i, lo, hi) in pairs {
-        acc[i % 8] = lo.mul_add(even[i], hi.mul_add(odd[i], acc[i % 8]));
+        acc[i % 8] += lo * even[i] + hi * odd[i];
     }
     // An odd `from` starts on a pair's high half, an odd `k` ends on a lone low half.
     let first = if from % 2 == 1 {

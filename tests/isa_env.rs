@@ -1,0 +1,134 @@
+//! `TINY_DECODER_ISA`, which forces the kernels onto a lower instruction set. It is read once
+//! per process, so each case runs this test binary again with the variable set, in the
+//! ignored `child_reports_its_isa`, and checks what that printed.
+
+use candle_core::{DType, Device, Module, Tensor};
+use std::process::Command;
+use tiny_decoder::model::attention::decode;
+use tiny_decoder::model::linear::simd::{Isa, IsaKind, ISA_VAR};
+use tiny_decoder::model::linear::{route, Linear, Route};
+
+/// The child's stdout and stderr, run with `TINY_DECODER_ISA=value`; panics if it failed.
+fn child(value: &str) -> (String, String) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(exe)
+        .args([
+            "--exact",
+            "child_reports_its_isa",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(ISA_VAR, value)
+        .output()
+        .expect("the test binary runs again");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{ISA_VAR}={value}: the child failed\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+/// The detected set's name, as the warnings say it.
+fn detected() -> String {
+    format!("{:?}", Isa::detect().kind()).to_ascii_lowercase()
+}
+
+/// The warnings a child printed.
+fn warnings(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .filter(|l| l.starts_with("warning:"))
+        .collect()
+}
+
+#[test]
+fn scalar_routes_every_linear_to_candle() {
+    let (out, err) = child("scalar");
+    assert!(out.contains("isa=Scalar"), "{out}");
+    assert!(
+        out.contains("1 rows: Candle") && out.contains("4 rows: Candle"),
+        "{out}"
+    );
+    assert!(out.contains("decode op: false"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+}
+
+#[test]
+fn avx2_keeps_the_kernel_for_one_row() {
+    if Isa::new(IsaKind::Avx2).is_none() {
+        return; // covered by the fallback test below
+    }
+    let (out, err) = child("avx2");
+    assert!(out.contains("isa=Avx2"), "{out}");
+    assert!(
+        out.contains("1 rows: Kernel") && out.contains("4 rows: Candle"),
+        "{out}"
+    );
+    assert!(out.contains("decode op: false"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+}
+
+#[test]
+fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
+    let best = format!("isa={:?}", Isa::detect().kind());
+    for value in ["avx512", "avx2"] {
+        let (out, err) = child(value);
+        let kind = Isa::from_name(value).map(|isa| isa.kind());
+        match kind {
+            Ok(kind) => assert!(out.contains(&format!("isa={kind:?}")), "{out}"),
+            Err(e) => {
+                assert!(out.contains(&best), "{value}: {out}");
+                let want = format!("warning: {e}; using {}", detected());
+                assert_eq!(warnings(&err), [want.as_str()], "{value}");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_unknown_name_warns_once_and_falls_back() {
+    let (out, err) = child("neon");
+    assert!(
+        out.contains(&format!("isa={:?}", Isa::detect().kind())),
+        "{out}"
+    );
+    let want = format!(
+        "warning: {ISA_VAR}=\"neon\" is not one of avx512, avx2, scalar; using {}",
+        detected()
+    );
+    assert_eq!(warnings(&err), [want.as_str()]);
+}
+
+/// In the child: where a Linear's product goes at the forced set, that it equals
+/// candle_nn's (exactly, when it is candle's matmul), and whether decode takes its op.
+#[test]
+#[ignore = "run by the other tests of this file, with TINY_DECODER_ISA set"]
+fn child_reports_its_isa() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let (n, k) = (24, 40);
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, n, &dev)?;
+    let (ours, theirs) = (
+        Linear::new(w.clone(), Some(b.clone())),
+        candle_nn::Linear::new(w.clone(), Some(b)),
+    );
+    for rows in [1, 4] {
+        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev)?;
+        let r = route(Isa::current(), &x, &w);
+        let diff = (ours.forward(&x)? - theirs.forward(&x)?)?.abs()?;
+        let max = diff.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let tol = if r == Route::Candle { 0.0 } else { 1e-4 };
+        assert!(max <= tol, "{rows} rows, {r:?}: max diff {max}");
+        println!("{rows} rows: {r:?}");
+    }
+    let q = Tensor::zeros((1, 2, 1, 8), DType::F32, &dev)?;
+    println!("decode op: {}", decode::takes(&q));
+    // Asked again: decided once, said at most once.
+    assert_eq!(Isa::current(), Isa::current());
+    println!("isa={:?}", Isa::current().kind());
+    Ok(())
+}
