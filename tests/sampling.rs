@@ -1,27 +1,26 @@
-//! The sampler against a naive reference (softmax, sort the whole vocabulary, filter), on
-//! random logits with ties, and an ignored benchmark at Qwen's vocabulary size:
+//! The sampler against a naive reference (softmax with `f32::exp`, sort the whole vocabulary,
+//! filter: the sampler as first written), on random logits with ties, and an ignored
+//! benchmark at Qwen's vocabulary size:
 //! `cargo test --release --test sampling -- --ignored --nocapture`.
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::time::Instant;
-use tiny_decoder::sampling::{filtered_probs, Sampler, SamplingParams};
+use tiny_decoder::sampling::{filtered_probs, softmax, Sampler, SamplingParams};
 
-/// The sampler's filters as they were first written: sort everything, then truncate.
-fn naive_filtered_probs(
-    logits: &[f32],
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
-    min_p: f32,
-) -> Vec<(u32, f32)> {
+/// Softmax as first written: `f32::exp` and one running sum.
+fn naive_softmax(logits: &[f32], temperature: f32) -> Vec<f32> {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut probs: Vec<(u32, f32)> = logits
+    let exps: Vec<f32> = logits
         .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, ((l - max) / temperature).exp()))
+        .map(|&l| ((l - max) / temperature).exp())
         .collect();
-    let total: f32 = probs.iter().map(|(_, p)| p).sum();
-    probs.iter_mut().for_each(|(_, p)| *p /= total);
+    let total: f32 = exps.iter().sum();
+    exps.iter().map(|e| e / total).collect()
+}
+
+/// The filters as first written: sort every token, then truncate.
+fn naive_filter(probs: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<(u32, f32)> {
+    let mut probs: Vec<(u32, f32)> = (0u32..).zip(probs.iter().copied()).collect();
     probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     if top_k > 0 && top_k < probs.len() {
         probs.truncate(top_k);
@@ -47,22 +46,46 @@ fn naive_filtered_probs(
     probs
 }
 
-/// The reference sampler: one uniform draw per token, walked down the sorted survivors.
-fn naive_draws(logits: &[f32], p: &SamplingParams, n: usize) -> Vec<u32> {
+/// The reference sampler on `probs`: per token one uniform draw times `mass(survivors)`,
+/// walked down all the survivors sorted. As first written, `mass` was the running sum.
+fn naive_draws(
+    probs: &[f32],
+    p: &SamplingParams,
+    n: usize,
+    mass: impl Fn(&[(u32, f32)]) -> f32,
+) -> Vec<u32> {
     let mut rng = StdRng::seed_from_u64(p.seed);
+    let kept = naive_filter(probs, p.top_k, p.top_p, p.min_p);
     (0..n)
         .map(|_| {
-            let probs = naive_filtered_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p);
-            let mut u: f32 = rng.random::<f32>() * probs.iter().map(|(_, p)| p).sum::<f32>();
-            for &(id, p) in &probs {
+            let mut u: f32 = rng.random::<f32>() * mass(&kept);
+            for &(id, p) in &kept {
                 if u < p {
                     return id;
                 }
                 u -= p;
             }
-            probs.last().map_or(0, |&(id, _)| id)
+            kept.last().map_or(0, |&(id, _)| id)
         })
         .collect()
+}
+
+fn running_sum(kept: &[(u32, f32)]) -> f32 {
+    kept.iter().map(|(_, p)| p).sum()
+}
+
+/// How the sampler sums all the probabilities when no filter is on: in id order, over 8
+/// lanes. (Any sum is a valid scale for the draw; this one makes the draws comparable.)
+fn lane_sum(probs: &[f32]) -> f32 {
+    let chunks = probs.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().fold(0.0, |a, &x| a + x);
+    let mut lanes = [0.0f32; 8];
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane += x;
+        }
+    }
+    lanes.into_iter().fold(rest, |a, b| a + b)
 }
 
 /// `n` normally distributed logits of spread `scale`, rounded to multiples of `step` so that
@@ -99,52 +122,140 @@ const SETTINGS: [(f32, usize, f32, f32); 14] = [
     (1.0, 3, 0.0001, 1.0),
 ];
 
-fn is_filtered(n: usize, top_k: usize, top_p: f32, min_p: f32) -> bool {
-    (top_k > 0 && top_k < n) || top_p < 1.0 || min_p > 0.0
+/// Random logits: several spreads, some rounded so that many tokens tie, one long enough for
+/// hundreds of the top-k blocks.
+fn logit_sets() -> Vec<Vec<f32>> {
+    let mut rng = StdRng::seed_from_u64(1);
+    [
+        (3000, 1.0, 0.0),
+        (3000, 4.0, 0.125),
+        (700, 8.0, 0.5),
+        (20_000, 3.0, 0.0),
+    ]
+    .into_iter()
+    .map(|(n, scale, step)| random_logits(&mut rng, n, scale, step))
+    .collect()
 }
 
+/// The filters keep exactly what sorting the whole vocabulary keeps, with the same
+/// probabilities, from the same softmax.
 #[test]
-fn filters_equal_the_naive_reference_on_random_logits() {
-    let mut rng = StdRng::seed_from_u64(1);
-    for (n, scale, step) in [(3000, 1.0, 0.0), (3000, 4.0, 0.125), (700, 8.0, 0.5)] {
-        let logits = random_logits(&mut rng, n, scale, step);
+fn filters_equal_sorting_everything() {
+    for logits in logit_sets() {
+        let n = logits.len();
         for (t, k, p, m) in SETTINGS {
-            let want = naive_filtered_probs(&logits, t, k, p, m);
-            let mut got = filtered_probs(&logits, t, k, p, m);
-            let case = format!("n={n} scale={scale} t={t} k={k} p={p} m={m}");
-            if !is_filtered(n, k, p, m) {
-                // Unfiltered, the order is free: compare as sets.
-                got.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            }
-            assert_eq!(got.len(), want.len(), "{case}");
-            assert!(got == want, "{case}: survivors or probabilities differ");
+            let want = naive_filter(&softmax(&logits, t), k, p, m);
+            let got = filtered_probs(&logits, t, k, p, m);
+            assert!(
+                got == want,
+                "n={n} t={t} k={k} p={p} m={m}: survivors differ"
+            );
         }
     }
 }
 
+/// The vectorised softmax is the exact one (in f64) to float rounding, as `f32::exp` with
+/// one running sum is; -inf logits get exactly 0.
+#[test]
+fn softmax_equals_f64_reference() {
+    for mut logits in logit_sets() {
+        logits[5] = f32::NEG_INFINITY;
+        logits[6] = logits[7] - 200.0;
+        for t in [0.3, 1.0, 2.0] {
+            let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let exps: Vec<f64> = logits
+                .iter()
+                .map(|&l| ((l as f64 - max) / t as f64).exp())
+                .collect();
+            let total: f64 = exps.iter().sum();
+            let got = softmax(&logits, t);
+            assert_eq!((got[5], got[6]), (0.0, 0.0));
+            let worst = |probs: &[f32]| {
+                let errs = probs.iter().zip(&exps).filter(|(_, &e)| e / total > 1e-30);
+                errs.map(|(&p, &e)| (p as f64 / (e / total) - 1.0).abs())
+                    .fold(0.0, f64::max)
+            };
+            let (new, old) = (worst(&got), worst(&naive_softmax(&logits, t)));
+            assert!(
+                new < 1e-5,
+                "t={t}: relative error {new:e} (f32::exp: {old:e})"
+            );
+        }
+    }
+}
+
+/// Old against new, end to end: the sampler as first written (`f32::exp`, sort everything)
+/// and the filters now draw from the same distribution, to float rounding (which can move a
+/// top-p or min-p boundary by a token of tiny probability, hence a total variation bound).
+#[test]
+fn same_distribution_as_first_written() {
+    for logits in logit_sets() {
+        for (t, k, p, m) in SETTINGS {
+            let old = naive_filter(&naive_softmax(&logits, t), k, p, m);
+            let new = filtered_probs(&logits, t, k, p, m);
+            // Draws are proportional to the survivors' probabilities.
+            let mut dist = vec![0.0f64; logits.len()];
+            for (survivors, sign) in [(&old, 1.0), (&new, -1.0)] {
+                let mass: f32 = survivors.iter().map(|(_, p)| p).sum();
+                for &(id, p) in survivors.iter() {
+                    dist[id as usize] += sign * (p / mass) as f64;
+                }
+            }
+            let tv = dist.iter().map(|d| d.abs()).sum::<f64>() / 2.0;
+            let case = format!("n={} t={t} k={k} p={p} m={m}", logits.len());
+            assert!(tv < 1e-4, "{case}: total variation {tv:e}");
+        }
+    }
+}
+
+/// Same seed, same tokens as the reference sampler, filtered or not (unfiltered, the draw
+/// sorts only as far down as it walks).
 #[test]
 fn seeded_draws_equal_the_naive_reference() {
     let mut rng = StdRng::seed_from_u64(2);
-    let logits = random_logits(&mut rng, 2000, 3.0, 0.25);
-    for (t, k, p, m) in SETTINGS {
-        if !is_filtered(logits.len(), k, p, m) {
-            continue; // unfiltered draws walk the tokens in another order
+    for logits in [
+        random_logits(&mut rng, 2000, 3.0, 0.25),
+        random_logits(&mut rng, 5000, 1.0, 0.0),
+    ] {
+        for (t, k, p, m) in SETTINGS {
+            let params = SamplingParams {
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                min_p: m,
+                seed: 11,
+                ..Default::default()
+            };
+            let mut sampler = Sampler::new(&params).unwrap();
+            let got: Vec<u32> = (0..200).map(|_| sampler.sample(&logits, &[])).collect();
+            let probs = softmax(&logits, t);
+            let filtered = (k > 0 && k < logits.len()) || p < 1.0 || m > 0.0;
+            let mass = |kept: &[(u32, f32)]| match filtered {
+                true => running_sum(kept),
+                false => lane_sum(&probs),
+            };
+            let want = naive_draws(&probs, &params, 200, mass);
+            assert_eq!(got, want, "t={t} k={k} p={p} m={m}");
         }
+    }
+}
+
+/// The draws of tests/units.rs' seeded test, token for token those of the sampler as first
+/// written (`f32::exp`, every token sorted).
+#[test]
+fn unit_test_draws_as_first_written() {
+    let logits = [0.1, 3.0, 0.2, 2.9];
+    for (seed, top_k) in [(7, 0), (8, 0), (7, 1), (7, 3)] {
         let params = SamplingParams {
-            temperature: t,
-            top_k: k,
-            top_p: p,
-            min_p: m,
-            seed: 11,
+            temperature: 1.0,
+            top_k,
+            seed,
             ..Default::default()
         };
         let mut sampler = Sampler::new(&params).unwrap();
-        let got: Vec<u32> = (0..200).map(|_| sampler.sample(&logits, &[])).collect();
-        assert_eq!(
-            got,
-            naive_draws(&logits, &params, 200),
-            "t={t} k={k} p={p} m={m}"
-        );
+        let got: Vec<u32> = (0..64).map(|_| sampler.sample(&logits, &[])).collect();
+        let want = naive_draws(&naive_softmax(&logits, 1.0), &params, 64, running_sum);
+        assert_eq!(got, want, "seed {seed} top-k {top_k}");
     }
 }
 
