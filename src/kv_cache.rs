@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// What one layer caches. Both variants are (1, heads, capacity, width) so that positions are
-/// always dimension 2.
-#[derive(Debug, Clone)]
+/// always dimension 2. Not `Clone`: a clone would share the buffers (see [`KvCache`]).
+#[derive(Debug)]
 pub enum LayerCache {
     /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
     Kv { k: Tensor, v: Tensor },
@@ -40,7 +40,10 @@ impl LayerCache {
 }
 
 /// One [`LayerCache`] per layer and the number of positions filled so far.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: candle tensors are reference-counted and the cache writes them in place, so a
+/// derived clone would share every buffer, and writing to one would corrupt the other.
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerCache>,
     /// Positions written in every layer; the next token's position.

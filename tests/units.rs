@@ -159,6 +159,22 @@ fn cache_writes_in_place_and_resets() {
     assert!(KvCache::new(&cfg, cfg.max_position_embeddings + 1, DType::F32, &dev).is_err());
 }
 
+/// Neither cache is `Clone`: a clone shared the preallocated buffers (candle tensors are
+/// reference-counted, the cache writes in place), so a clone reset and refilled overwrote the
+/// keys and values of the original. This fails to compile if `Clone` comes back.
+#[test]
+fn caches_are_not_clone() {
+    // Two blanket impls make `check` ambiguous, a compile error, exactly for a Clone type.
+    trait AmbiguousIfClone<A> {
+        fn check() {}
+    }
+    impl<T: ?Sized> AmbiguousIfClone<()> for T {}
+    struct IsClone;
+    impl<T: Clone> AmbiguousIfClone<IsClone> for T {}
+    <KvCache as AmbiguousIfClone<_>>::check();
+    <LayerCache as AmbiguousIfClone<_>>::check();
+}
+
 #[test]
 fn grouped_sdpa_equals_per_head_reference() {
     let dev = Device::Cpu;

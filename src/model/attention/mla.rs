@@ -6,11 +6,15 @@
 //! `q_lat = q_nope · W_UK`, `scores = q_lat · Cᵀ + q_pe · K_peᵀ`, `o = (p · C) · W_UV`, so the
 //! per-head K and V are never built. A prompt takes the expanded form: up-project C into
 //! per-head K and V and run ordinary attention. The two are tested equal.
+//!
+//! `kv_b_proj` is split at load into its key rows W_UK and value rows W_UV, and only the
+//! halves are kept: both forms use them (two products up-project, where the checkpoint's
+//! matrix made one), so the layer holds each weight once.
 
 use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
-use crate::model::linear::{linear_b, linear_no_bias, Linear};
+use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{rms_norm, RmsNorm, VarBuilder};
@@ -42,11 +46,11 @@ pub struct MlaAttention {
     query: QueryProj,
     kv_a_proj_with_mqa: Linear,
     kv_a_layernorm: RmsNorm,
-    kv_b_proj: Linear,
-    /// kv_b_proj's key half per head: (H, qk_nope_head_dim, kv_lora_rank).
+    /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous. Not a
+    /// strided view of kv_b_proj: candle's bf16 matmul took twice as long on one.
     w_uk: Tensor,
-    /// kv_b_proj's value half per head, transposed: (H, kv_lora_rank, v_head_dim).
-    w_uv_t: Tensor,
+    /// kv_b_proj's value rows per head, (H, v_head_dim, kv_lora_rank), contiguous.
+    w_uv: Tensor,
     o_proj: Linear,
     num_heads: usize,
     cfg: MlaConfig,
@@ -69,21 +73,12 @@ impl MlaAttention {
                 q_b_proj: linear_no_bias(r, h * qk_head_dim, vb.pp("q_b_proj"))?,
             },
         };
-        let r = m.kv_lora_rank;
-        let kv_b_proj = linear_no_bias(
-            r,
-            h * (m.qk_nope_head_dim + m.v_head_dim),
-            vb.pp("kv_b_proj"),
-        )?;
-        // Split kv_b_proj once at load: rows of head i are [W_UK_i; W_UV_i].
-        let w = kv_b_proj
-            .weight()
-            .reshape((h, m.qk_nope_head_dim + m.v_head_dim, r))?;
-        let w_uk = w.narrow(1, 0, m.qk_nope_head_dim)?.contiguous()?; // (H, nope, r)
-        let w_uv_t = w
-            .narrow(1, m.qk_nope_head_dim, m.v_head_dim)?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+        // Split kv_b_proj at load (rows of head i are [W_UK_i; W_UV_i]) and drop it.
+        let kv_b_proj = linear_no_bias(r, h * (nope + v), vb.pp("kv_b_proj"))?;
+        let w = kv_b_proj.weight().reshape((h, nope + v, r))?;
+        let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // (H, nope, r)
+        let w_uv = w.narrow(1, nope, v)?.contiguous()?; // (H, v, r)
         Ok(Self {
             query,
             kv_a_proj_with_mqa: linear_b(
@@ -93,9 +88,8 @@ impl MlaAttention {
                 vb.pp("kv_a_proj_with_mqa"),
             )?,
             kv_a_layernorm: rms_norm(r, eps, vb.pp("kv_a_layernorm"))?,
-            kv_b_proj,
             w_uk,
-            w_uv_t,
+            w_uv,
             o_proj: linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?,
             num_heads: h,
             cfg: m.clone(),
@@ -186,15 +180,18 @@ impl MlaAttention {
     /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).
     fn up_project(&self, c_kv: &Tensor, k_pe: &Tensor) -> Result<(Tensor, Tensor)> {
         let m = &self.cfg;
-        let (b, s, h) = (c_kv.dim(0)?, c_kv.dim(2)?, self.num_heads);
-        let kv = self.kv_b_proj.forward(&c_kv.squeeze(1)?)?; // (B, S, H·(nope + v))
-        let kv = kv
-            .reshape((b, s, h, m.qk_nope_head_dim + m.v_head_dim))?
-            .transpose(1, 2)?;
-        let k_nope = kv.narrow(D::Minus1, 0, m.qk_nope_head_dim)?;
-        let v = kv
-            .narrow(D::Minus1, m.qk_nope_head_dim, m.v_head_dim)?
-            .contiguous()?;
+        let (b, _, s, r) = c_kv.dims4()?;
+        let h = self.num_heads;
+        let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
+        // All heads in one product each, the halves seen as (H·width, r) matrices:
+        // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
+        let c_kv = c_kv.squeeze(1)?;
+        let up = |w: &Tensor, width: usize| -> Result<Tensor> {
+            let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
+            y.reshape((b, s, h, width))?.transpose(1, 2)
+        };
+        let k_nope = up(&self.w_uk, nope)?;
+        let v = up(&self.w_uv, v)?.contiguous()?;
         let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
         let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
         Ok((k, v))
@@ -228,12 +225,13 @@ impl MlaAttention {
         let q_pe = q_pe.contiguous()?.reshape((b, 1, h * t, rope_dim))?;
         let scores = (q_lat.matmul(&c_kv.t()?)? + q_pe.matmul(&k_pe.t()?)?)?; // (B, 1, H·T, S)
         let o_lat = attend(&scores, c_kv, h, t, m.softmax_scale, mask)?; // (B, H, T, r)
-                                                                         // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
+
+        // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
         let o_lat = o_lat
             .transpose(0, 1)?
             .contiguous()?
             .reshape((h, b * t, r))?;
-        let o = o_lat.matmul(&self.w_uv_t)?;
+        let o = o_lat.matmul(&self.w_uv.transpose(1, 2)?)?;
         o.reshape((h, b, t, m.v_head_dim))?.transpose(0, 1) // (B, H, T, v)
     }
 }
