@@ -5,42 +5,49 @@
 //! Why: without it, prompt products went to candle's CPU matmul, which has no bf16 kernel
 //! and widens the whole weight matrix into a new f32 buffer, on one thread, on every call
 //! (Qwen2.5-1.5B bf16 prefill ran at 0.9 tok/s on a 4-token prompt). Two options, timed on
-//! the AVX2 host (Zen 3, 2 cores) over one Qwen2.5-1.5B layer's seven matrices, medians of 5:
+//! the AVX2 host (Zen 3, 2 cores, shared) over one Qwen2.5-1.5B layer's seven matrices,
+//! medians of 5 in one run (`tests/kernel.rs`'s probe times the op against candle's matmul):
 //!
 //! | rows of x | f32: candle / tile / gemm (ms) | bf16: candle / tile / gemm (ms) |
 //! |---|---|---|
-//! | 4 | 72 / 29 / 81 | 356 / 15 / 90 |
-//! | 16 | 94 / 80 / 93 | 384 / 56 / 90 |
-//! | 40 | 176 / 228 / 177 | 640 / 146 / 178 |
-//! | 64 | 326 / 410 / 295 | 730 / 314 / 300 |
-//! | 512 | 939 / 1768 / 705 | 1175 / 1249 / 687 |
+//! | 4 | 50 / 24 / 45 | 223 / 17 / 31 |
+//! | 16 | 94 / 76 / 85 | 342 / 52 / 67 |
+//! | 24 | 112 / 108 / 100 | 344 / 74 / 83 |
+//! | 40 | 137 / 170 / 129 | 378 / 122 / 120 |
+//! | 64 | 192 / 265 / 177 | 474 / 197 / 173 |
+//! | 512 | 898 / 1687 / 933 | 1096 / 1133 / 820 |
 //!
 //! - the register tile (`simd`, 4 weight rows × 2 x rows) reads W once per pair of x rows:
-//!   fastest while reading W is what bounds the product, up to about 16 rows in f32 and 64
-//!   in bf16 (half the bytes, widened in registers);
+//!   fastest while reading W bounds the product, up to about 16 rows in f32 and 24-32 in
+//!   bf16 (half the bytes, widened in registers);
 //! - the `gemm` crate (the GEMM under candle's matmul) on blocks of W is compute-bound and
-//!   wins beyond. For f32 it also matches or beats candle's own call of it, and keeps
-//!   candle's rayon threads from competing with the pool's for the same two cores.
+//!   wins beyond. For f32 it matches candle's own call of it at 512 rows (within the
+//!   run-to-run noise: 705 against 939 ms in another run) and beats it below, and keeps
+//!   candle's rayon threads from competing with the pool's for the same two cores, so it
+//!   replaces candle's matmul on AVX2 for every row count.
 //!
 //! [`by_gemm`] picks. Here the rows of `W` are split into chunks that the [`Pool`] runs in
-//! parallel, and a chunk goes through `gemm` single-threaded. bf16 weights go one block of
-//! [`BLOCK_ROWS`] × [`BLOCK_K`] at a time, widened into a small per-thread f32 buffer that
-//! stays in L2: read from memory once, as bf16, the f32 copy never leaving the cache. f32
-//! weights go to `gemm` in place.
+//! parallel, and a chunk goes through `gemm` single-threaded. f32 weights go to `gemm` in
+//! place. bf16 weights go one block of [`BLOCK_ROWS`] × [`BLOCK_K`] at a time, widened and
+//! transposed ([`widen`]) into a small per-thread f32 buffer that stays in L2: read from
+//! memory once, as bf16, the f32 copy never leaving the cache.
+
+mod widen;
 
 use super::simd::Isa;
 use crate::model::pool::Pool;
 use gemm::{gemm, Parallelism};
 use std::cell::RefCell;
 
-/// Weight rows per `gemm` call on bf16: a multiple of its AVX2 f32 micro-tile (24 rows of W
-/// by 4 rows of x), so no call runs a narrow tail tile except at the end of the matrix.
+/// Weight rows per `gemm` call on bf16: a multiple of its AVX2 f32 micro-tile (16 rows of W
+/// by 6 rows of x), so no call runs a narrow tail tile except at the end of the matrix.
 const BLOCK_ROWS: usize = 96;
 /// Columns of a bf16 block: 96 × 512 f32 are 192 KiB, under half of Zen 3's 512 KiB L2.
+/// (48-192 rows × 256-1024 columns timed the same within noise.)
 const BLOCK_K: usize = 512;
 /// From this many rows of x, f32 products go to `gemm`, and bf16 from [`BF16_GEMM_ROWS`].
 const F32_GEMM_ROWS: usize = 17;
-const BF16_GEMM_ROWS: usize = 65;
+const BF16_GEMM_ROWS: usize = 32;
 /// Chunks per pool thread, as in `matvec`: an idle thread can take over a descheduled one's.
 const CHUNKS_PER_THREAD: usize = 4;
 
@@ -127,7 +134,7 @@ unsafe fn chunk(
                 m,
                 (r1 - r0, k),
                 (x.as_ptr(), k),
-                (w[r0 * k..].as_ptr(), k),
+                (w[r0 * k..].as_ptr(), k, 1),
                 y.add(r0),
                 ldy,
                 false,
@@ -138,17 +145,15 @@ unsafe fn chunk(
                 let rows = BLOCK_ROWS.min(r1 - b0);
                 for c0 in (0..k).step_by(BLOCK_K) {
                     let cols = BLOCK_K.min(k - c0);
-                    buf.clear();
-                    for r in b0..b0 + rows {
-                        widen(&w[r * k + c0..r * k + c0 + cols], buf);
-                    }
-                    // SAFETY: buf is rows × cols; x's columns c0..c0 + cols exist; y as above.
+                    let block = widen::transposed(w, k, (b0, rows), (c0, cols), buf);
+                    // SAFETY: block is W[r, c] at c·rows + r for the block's rows × cols;
+                    // x's columns c0..c0 + cols exist; y as above.
                     unsafe {
                         gemm_block(
                             m,
                             (rows, cols),
                             (x[c0..].as_ptr(), k),
-                            (buf.as_ptr(), cols),
+                            (block.as_ptr(), 1, rows),
                             y.add(b0),
                             ldy,
                             c0 > 0,
@@ -160,21 +165,22 @@ unsafe fn chunk(
     }
 }
 
-/// `y (M, rows) (+)= x (M, cols) · wᵀ` for w (rows, cols), single-threaded; each operand is
-/// a pointer and its row stride. `accumulate` adds to what y holds instead of overwriting.
+/// `y (M, rows) (+)= x (M, cols) · wᵀ` for w (rows, cols), single-threaded. x is a pointer
+/// and its row stride, w a pointer and the strides of its rows and columns (`w[r, c]` at
+/// `r·rs + c·cs`). `accumulate` adds to what y holds instead of overwriting.
 ///
 /// # Safety
-/// Every row of x and w (`cols` values each) is readable, y is writable at `m·ldy + r`.
+/// Every `w[r, c]` and `x[i, c]` is readable, y is writable at `i·ldy + r`.
 unsafe fn gemm_block(
     m: usize,
     (rows, cols): (usize, usize),
     (x, ldx): (*const f32, usize),
-    (w, ldw): (*const f32, usize),
+    (w, rs, cs): (*const f32, usize, usize),
     y: *mut f32,
     ldy: usize,
     accumulate: bool,
 ) {
-    // dst (M, rows) = lhs x (M, cols) · rhs wᵀ (cols, rows): wᵀ[c, r] is w[r·ldw + c].
+    // dst (M, rows) = lhs x (M, cols) · rhs wᵀ (cols, rows): wᵀ[c, r] is w[r, c].
     // SAFETY: the caller's contract; gemm reads and writes only inside these extents.
     unsafe {
         gemm(
@@ -189,8 +195,8 @@ unsafe fn gemm_block(
             1,
             ldx as isize,
             w,
-            ldw as isize,
-            1,
+            rs as isize,
+            cs as isize,
             1.0,
             1.0,
             false,
@@ -199,26 +205,4 @@ unsafe fn gemm_block(
             Parallelism::None,
         )
     }
-}
-
-/// Appends `src` widened to f32 to `dst` (compiled for AVX2 where this CPU has it, so the
-/// loop is eight values per instruction).
-fn widen(src: &[u16], dst: &mut Vec<f32>) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
-        // SAFETY: this CPU has AVX2.
-        return unsafe { widen_avx2(src, dst) };
-    }
-    widen_plain(src, dst)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widen_avx2(src: &[u16], dst: &mut Vec<f32>) {
-    widen_plain(src, dst)
-}
-
-#[inline(always)]
-fn widen_plain(src: &[u16], dst: &mut Vec<f32>) {
-    dst.extend(src.iter().map(|&b| f32::from_bits((b as u32) << 16)));
 }
