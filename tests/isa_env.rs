@@ -58,17 +58,17 @@ fn scalar_routes_every_linear_to_candle() {
 }
 
 #[test]
-fn avx2_keeps_the_kernel_for_one_row() {
+fn avx2_takes_rows_and_the_decode_op() {
     if Isa::new(IsaKind::Avx2).is_none() {
         return; // covered by the fallback test below
     }
     let (out, err) = child("avx2");
     assert!(out.contains("isa=Avx2"), "{out}");
     assert!(
-        out.contains("1 rows: Kernel") && out.contains("4 rows: Candle"),
+        out.contains("1 rows: Kernel") && out.contains("4 rows: Kernel"),
         "{out}"
     );
-    assert!(out.contains("decode op: false"), "{out}");
+    assert!(out.contains("decode op: true"), "{out}");
     assert!(warnings(&err).is_empty(), "{err}");
 }
 

@@ -3,6 +3,7 @@
 //! (ignored, run with `--release -- --ignored --nocapture`) a bandwidth and overhead probe.
 
 use candle_core::{DType, Device, Module, Tensor};
+use tiny_decoder::model::linear::prefill::{self, Weights};
 use tiny_decoder::model::linear::simd::{self, Isa, IsaError, IsaKind};
 use tiny_decoder::model::linear::{matvec, route, Linear, Route};
 
@@ -94,8 +95,9 @@ fn linear_routes_by_instruction_set() -> candle_core::Result<()> {
     assert_eq!(route(Isa::SCALAR, &one, &w), Route::Candle);
     assert_eq!(route(Isa::SCALAR, &four, &w), Route::Candle);
     if let Some(avx2) = Isa::new(IsaKind::Avx2) {
+        // A tile of 2 rows, or gemm on widened blocks (prefill.rs), takes several rows.
         assert_eq!(route(avx2, &one, &w), Route::Kernel);
-        assert_eq!(route(avx2, &four, &w), Route::Candle);
+        assert_eq!(route(avx2, &four, &w), Route::Kernel);
     }
     if let Some(avx512) = Isa::new(IsaKind::Avx512) {
         assert_eq!(route(avx512, &one, &w), Route::Kernel);
@@ -202,6 +204,55 @@ fn matvec_matches_candle_matmul_bf16() -> candle_core::Result<()> {
         let want = f64s(&want)?;
         let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         assert_close(&got, &want, 1e-2, &format!("bf16 {n}x{k}"));
+    }
+    Ok(())
+}
+
+/// Prompt products, whichever kernel takes them on this CPU (a register tile, or on AVX2
+/// `prefill`'s gemm blocks from 17 rows in f32 and 32 in bf16), and `prefill` itself on every
+/// row count: against candle's f32 matmul on the same (widened) values. The shapes are
+/// ragged: k not a multiple of 8 or 16 and wider than a bf16 block (512 columns), n not a
+/// multiple of a tile (4 rows) or of a block (96 rows).
+#[test]
+fn prompt_products_match_candle_matmul() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    for (n, k) in [(5, 31), (13, 17), (37, 45), (101, 577), (203, 1030)] {
+        let w = Tensor::from_vec(values(n * k, 12), (n, k), &dev)?;
+        for m in [1, 2, 3, 5, 16, 17, 18, 31, 32, 33, 64, 70] {
+            let x = Tensor::from_vec(values(m * k, 13 + m as u64), (m, k), &dev)?;
+            for (dtype, rel) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+                let (x, w) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+                let (x32, w32) = (x.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?);
+                let want = f64s(&x32.matmul(&w32.t()?)?)?;
+                let what = format!("{dtype:?} {m}x{k} · ({n}x{k})ᵀ");
+                let got = matvec(&x, &w)?;
+                assert_eq!((got.dims(), got.dtype()), (&[m, n][..], dtype), "{what}");
+                let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                assert_close(&got, &want, rel, &format!("matvec {what}"));
+                // prefill's gemm blocks directly, in f32 out (no final rounding to bf16).
+                let x32 = x32.flatten_all()?.to_vec1::<f32>()?;
+                let mut y = vec![f32::NAN; m * n];
+                let wv = w.flatten_all()?;
+                let bits: Vec<u16>;
+                let w32v: Vec<f32>;
+                let weights = match dtype {
+                    DType::BF16 => {
+                        bits = wv
+                            .to_vec1::<half::bf16>()?
+                            .iter()
+                            .map(|b| b.to_bits())
+                            .collect();
+                        Weights::Bf16(&bits)
+                    }
+                    _ => {
+                        w32v = wv.to_vec1::<f32>()?;
+                        Weights::F32(&w32v)
+                    }
+                };
+                prefill::product(&x32, k, weights, &mut y);
+                assert_close(&y, &want, 1e-5, &format!("prefill {what}"));
+            }
+        }
     }
     Ok(())
 }
@@ -350,11 +401,16 @@ fn probe_bandwidth_and_overhead() -> candle_core::Result<()> {
 fn probe_rows_throughput() -> candle_core::Result<()> {
     let dev = Device::Cpu;
     for dtype in [DType::F32, DType::BF16] {
+        // SmolLM-135M's shapes, then Qwen2.5-1.5B's MLP (the bulk of its prefill).
         for (m, n, k) in [
             (32, 1536, 576),
             (64, 1536, 576),
             (256, 1536, 576),
             (64, 576, 1536),
+            (4, 8960, 1536),
+            (40, 8960, 1536),
+            (512, 8960, 1536),
+            (40, 1536, 8960),
         ] {
             let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;

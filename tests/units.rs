@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use tiny_decoder::config::HfConfig;
 use tiny_decoder::kv_cache::LayerCache;
-use tiny_decoder::model::attention::{causal_mask, naive_attention, sdpa};
+use tiny_decoder::model::attention::{causal_mask, decode, naive_attention, sdpa};
 use tiny_decoder::sampling::{apply_repeat_penalty, filtered_probs, Sampler, SamplingParams};
 use tiny_decoder::KvCache;
 
@@ -202,10 +202,15 @@ fn grouped_sdpa_equals_per_head_reference() {
 }
 
 /// One new token over a cache view (a narrowed, longer buffer), long enough for several of
-/// the decode op's blocks, in f32 and bf16, against the per-head reference in f32.
+/// the decode op's blocks, in f32 and bf16, against the per-head reference in f32: through
+/// `sdpa` (which must pick the op on AVX2 and AVX-512) and through the op itself.
 #[test]
 fn decode_attention_over_cache_views_equals_reference() {
     let dev = Device::Cpu;
+    #[cfg(target_arch = "x86_64")]
+    let vector = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vector = false;
     for (h, g, s, dk, dv) in [(6, 2, 600, 40, 24), (4, 4, 1, 16, 16), (9, 3, 257, 64, 64)] {
         let q = Tensor::randn(0f32, 1.0, (1, h, 1, dk), &dev).unwrap();
         let cache_k = Tensor::randn(0f32, 1.0, (1, g, s + 9, dk), &dev).unwrap();
@@ -219,12 +224,23 @@ fn decode_attention_over_cache_views_equals_reference() {
             let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
             let (q, k, v) = (cast(&q), cast(&cache_k), cast(&cache_v));
             let (k, v) = (k.narrow(2, 0, s).unwrap(), v.narrow(2, 0, s).unwrap());
-            let ours = sdpa(&q, &k, &v, 0.2, None).unwrap();
-            assert_eq!(ours.dims(), &[1, h, 1, dv]);
-            let ours = ours.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            assert_eq!(
+                decode::takes(&q),
+                vector,
+                "{dtype:?}: sdpa's choice of the op"
+            );
+            let op = decode::DecodeAttention { scale: 0.2 };
+            let direct = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
             let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let diff = common::max_abs_diff(&ours.to_vec1::<f32>().unwrap(), &want);
-            assert!(diff < tol, "{dtype:?} h={h} g={g} s={s}: {diff}");
+            for (how, ours) in [
+                ("sdpa", sdpa(&q, &k, &v, 0.2, None).unwrap()),
+                ("op", direct),
+            ] {
+                assert_eq!(ours.dims(), &[1, h, 1, dv]);
+                let ours = ours.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                let diff = common::max_abs_diff(&ours.to_vec1::<f32>().unwrap(), &want);
+                assert!(diff < tol, "{how} {dtype:?} h={h} g={g} s={s}: {diff}");
+            }
         }
     }
 }

@@ -1,14 +1,15 @@
 //! `Linear`: candle_nn's linear layer (same constructors, same results) whose forward takes
-//! our own kernel for a single row, the case of every decode step, and (on AVX-512) for the
-//! rows of a prompt chunk.
+//! our own kernel for a single row, the case of every decode step, and (on AVX-512 and AVX2)
+//! for the rows of a prompt chunk ([`prefill`] for many rows on AVX2).
 //!
 //! candle's general GEMM leaves most of the memory bandwidth unused at M = 1, and at small M
 //! runs AVX2 code; [`matvec`] is an explicit-SIMD product split over a small persistent pool
 //! ([`matvec::MatVec`]). Every other case (CUDA, dtypes other than f32/bf16, a non-contiguous
-//! weight, several rows without AVX-512, any row without AVX2) is candle's matmul exactly as
-//! `candle_nn::Linear` runs it ([`route`]).
+//! weight, several rows on a CPU with neither AVX-512 nor AVX2, any row without AVX2) is
+//! candle's matmul exactly as `candle_nn::Linear` runs it ([`route`]).
 
 pub mod matvec;
+pub mod prefill;
 pub mod simd;
 
 use candle_core::{DType, Module, Result, Tensor};

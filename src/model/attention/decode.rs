@@ -26,12 +26,12 @@ pub struct DecodeAttention {
     pub scale: f32,
 }
 
-/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512. Elsewhere candle's
-/// ops stay: without AVX-512 [`accumulate`] is plain compiled code.
+/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512 or AVX2 + FMA, the
+/// sets [`accumulate`] has a vector form for. Elsewhere candle's ops stay.
 pub fn takes(q: &candle_core::Tensor) -> bool {
     q.device().is_cpu()
         && matches!(q.dtype(), DType::F32 | DType::BF16)
-        && Isa::current().kind() == IsaKind::Avx512
+        && matches!(Isa::current().kind(), IsaKind::Avx512 | IsaKind::Avx2)
 }
 
 /// One (batch, K/V head, block) result: per query head of the group, the max score, the sum
@@ -88,6 +88,9 @@ fn accumulate<T: Cached>(isa: Isa, p: &[f32], v: &[T], dv: usize, acc: &mut [f32
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` of this kind exists only on a CPU with AVX-512.
         IsaKind::Avx512 => unsafe { accumulate_avx512(p, v, dv, acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, an `Isa` of this kind exists only with AVX2 and FMA.
+        IsaKind::Avx2 => unsafe { accumulate_avx2(p, v, dv, acc) },
         _ => accumulate_plain(p, v, dv, acc),
     }
 }
@@ -97,6 +100,13 @@ fn accumulate<T: Cached>(isa: Isa, p: &[f32], v: &[T], dv: usize, acc: &mut [f32
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn accumulate_avx512<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
+    accumulate_plain(p, v, dv, acc)
+}
+
+/// [`accumulate_plain`] compiled for AVX2 + FMA, eight lanes at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate_avx2<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
     accumulate_plain(p, v, dv, acc)
 }
 

@@ -1,11 +1,13 @@
 //! The product `y = x · Wᵀ` for a few rows of `x` (M, K) and a row-major `W` (N, K), as a
 //! candle [`CustomOp2`] on CPU storage: one row in every decode step, a prompt chunk in
-//! prefill (on AVX-512, see [`simd::tiles_rows`]). Rows of `W` are split into chunks that a
+//! prefill (on AVX-512, see [`simd::tiles_rows`]; on AVX2 a tile of 2 rows, or [`prefill`]
+//! for many). Rows of `W` are split into chunks that a
 //! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] kernel over all of x and
 //! writes its own columns of y. Supported pairs: f32 x with f32 W, bf16 x with bf16 W (x
 //! widened and put in [`simd::pair_layout`] once, W widened in registers, the result rounded
 //! to bf16). Anything else is the caller's job to route to candle's matmul.
 
+use super::prefill::{self, Weights};
 use super::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
@@ -20,10 +22,11 @@ const SERIAL_BYTES: usize = 96 * 1024;
 const CHUNKS_PER_THREAD: usize = 4;
 
 /// Whether a product with `m` rows of x belongs here with the kernels of `isa`: one row with
-/// explicit SIMD; several when the kernels tile them (AVX-512), since elsewhere each row
-/// would be another pass over `W`. Never with the scalar loop: candle's matmul is faster.
+/// explicit SIMD; several when the kernels tile them (AVX-512) or on AVX2, where a tile of 2
+/// rows or [`prefill`] takes them. Never with the scalar loop: candle's matmul is faster.
 pub fn takes_rows(isa: Isa, m: usize) -> bool {
-    isa.kind() != IsaKind::Scalar && (m == 1 || (m > 1 && simd::tiles_rows(isa)))
+    isa.kind() != IsaKind::Scalar
+        && (m == 1 || (m > 1 && (simd::tiles_rows(isa) || isa.kind() == IsaKind::Avx2)))
 }
 
 /// `y`'s base pointer, shared by chunks that each write their own disjoint columns.
@@ -109,20 +112,29 @@ impl CustomOp2 for MatVec {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_n, k, shape) = Self::out_shape(l1, l2)?;
+        let m = l1.shape().elem_count() / k.max(1);
         let mut y = vec![0f32; shape.elem_count()];
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
-                product(x, k, w, &mut y, simd::rows_f32_strided);
+                match prefill::by_gemm(m, false) {
+                    true => prefill::product(x, k, Weights::F32(w), &mut y),
+                    false => product(x, k, w, &mut y, simd::rows_f32_strided),
+                }
                 CpuStorage::F32(y)
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
-                let x = simd::pair_layout(slice(x, l1, "x")?, k, bf16::to_f32);
-                let w = slice(w, l2, "weight")?;
+                let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory
                 // read as u16 has the same length and alignment.
                 let bits = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) };
-                product(&x, k, bits, &mut y, simd::rows_bf16_strided);
+                if prefill::by_gemm(m, true) {
+                    let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    prefill::product(&x, k, Weights::Bf16(bits), &mut y);
+                } else {
+                    let x = simd::pair_layout(x, k, bf16::to_f32);
+                    product(&x, k, bits, &mut y, simd::rows_bf16_strided);
+                }
                 CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
             }
             (a, b) => {

@@ -1,0 +1,208 @@
+//! The product `y = x · Wᵀ` for a prompt chunk of many rows of x on AVX2 (+ FMA), where the
+//! registers hold a tile of only 2 rows of x (AVX-512 holds 4 and reads W once per 64 rows,
+//! `simd::tiles_rows`).
+//!
+//! Why: without it, prompt products went to candle's CPU matmul, which has no bf16 kernel
+//! and widens the whole weight matrix into a new f32 buffer, on one thread, on every call
+//! (Qwen2.5-1.5B bf16 prefill ran at 0.9 tok/s on a 4-token prompt). Two options, timed on
+//! the AVX2 host (Zen 3, 2 cores, shared) over one Qwen2.5-1.5B layer's seven matrices,
+//! medians of 5 in one run (`tests/kernel.rs`'s probe times the op against candle's matmul):
+//!
+//! | rows of x | f32: candle / tile / gemm (ms) | bf16: candle / tile / gemm (ms) |
+//! |---|---|---|
+//! | 4 | 50 / 24 / 45 | 223 / 17 / 31 |
+//! | 16 | 94 / 76 / 85 | 342 / 52 / 67 |
+//! | 24 | 112 / 108 / 100 | 344 / 74 / 83 |
+//! | 40 | 137 / 170 / 129 | 378 / 122 / 120 |
+//! | 64 | 192 / 265 / 177 | 474 / 197 / 173 |
+//! | 512 | 898 / 1687 / 933 | 1096 / 1133 / 820 |
+//!
+//! - the register tile (`simd`, 4 weight rows × 2 x rows) reads W once per pair of x rows:
+//!   fastest while reading W bounds the product, up to about 16 rows in f32 and 24-32 in
+//!   bf16 (half the bytes, widened in registers);
+//! - the `gemm` crate (the GEMM under candle's matmul) on blocks of W is compute-bound and
+//!   wins beyond. For f32 it matches candle's own call of it at 512 rows (within the
+//!   run-to-run noise: 705 against 939 ms in another run) and beats it below, and keeps
+//!   candle's rayon threads from competing with the pool's for the same two cores, so it
+//!   replaces candle's matmul on AVX2 for every row count.
+//!
+//! [`by_gemm`] picks. Here the rows of `W` are split into chunks that the [`Pool`] runs in
+//! parallel, and a chunk goes through `gemm` single-threaded. f32 weights go to `gemm` in
+//! place. bf16 weights go one block of [`BLOCK_ROWS`] × [`BLOCK_K`] at a time, widened and
+//! transposed ([`widen`]) into a small per-thread f32 buffer that stays in L2: read from
+//! memory once, as bf16, the f32 copy never leaving the cache.
+
+mod widen;
+
+use super::simd::{Isa, IsaKind};
+use crate::model::pool::Pool;
+use gemm::{gemm, Parallelism};
+use std::cell::RefCell;
+
+/// Weight rows per `gemm` call on bf16: a multiple of its AVX2 f32 micro-tile (16 rows of W
+/// by 6 rows of x), so no call runs a narrow tail tile except at the end of the matrix.
+const BLOCK_ROWS: usize = 96;
+/// Columns of a bf16 block: 96 × 512 f32 are 192 KiB, under half of Zen 3's 512 KiB L2.
+/// (48-192 rows × 256-1024 columns timed the same within noise.)
+const BLOCK_K: usize = 512;
+/// From this many rows of x, f32 products go to `gemm`, and bf16 from [`BF16_GEMM_ROWS`].
+const F32_GEMM_ROWS: usize = 17;
+const BF16_GEMM_ROWS: usize = 32;
+/// Chunks per pool thread, as in `matvec`: an idle thread can take over a descheduled one's.
+const CHUNKS_PER_THREAD: usize = 4;
+
+/// The weights of a product: f32 as stored, or bf16 as raw bits.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::Bf16(w) => w.len(),
+        }
+    }
+}
+
+/// `y`'s base pointer, shared by chunks that each write their own disjoint columns.
+struct Out(*mut f32);
+// SAFETY: chunks write disjoint columns of `y`, and `Pool::run` returns only after all have
+// finished, while `y` is still mutably borrowed by `product`.
+unsafe impl Sync for Out {}
+
+thread_local! {
+    /// A pool thread's widened bf16 block ([`BLOCK_ROWS`] × [`BLOCK_K`] at most).
+    static BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether a product with `m` rows of x and `bf16` (or f32) weights runs here rather than in
+/// the register tile: on AVX2 with enough rows (see the file's header).
+pub fn by_gemm(m: usize, bf16: bool) -> bool {
+    let rows = if bf16 { BF16_GEMM_ROWS } else { F32_GEMM_ROWS };
+    Isa::current().kind() == IsaKind::Avx2 && m >= rows
+}
+
+/// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), every operand dense and row-major.
+///
+/// # Panics
+/// If x, w and y are not M × K, N × K and M × N.
+pub fn product(x: &[f32], k: usize, w: Weights<'_>, y: &mut [f32]) {
+    if k == 0 {
+        return y.fill(0.0);
+    }
+    let (m, n) = (x.len() / k, w.len() / k);
+    assert!(
+        x.len() == m * k && w.len() == n * k && y.len() == m * n,
+        "prefill: x ({}), w ({}) and y ({}) are not rows of width {k}",
+        x.len(),
+        w.len(),
+        y.len()
+    );
+    let pool = Pool::global();
+    let rows = n
+        .div_ceil(pool.threads() * CHUNKS_PER_THREAD)
+        .next_multiple_of(BLOCK_ROWS);
+    let out = &Out(y.as_mut_ptr());
+    pool.run(n.div_ceil(rows), &|i| {
+        let (r0, r1) = (i * rows, ((i + 1) * rows).min(n));
+        // SAFETY: chunk i alone writes columns r0..r1 of y (M rows of N), all inside y.
+        unsafe { chunk(x, k, w, (r0, r1), out.0, n) };
+    });
+}
+
+/// Columns `r0..r1` of `y` (row stride `ldy`) from weight rows `r0..r1`.
+///
+/// # Safety
+/// `x` is M rows of width `k`, `r1` rows of `w` exist, and `y` is valid for writes at every
+/// `m·ldy + r` for m < M and r0 <= r < r1, which nothing else touches meanwhile.
+unsafe fn chunk(
+    x: &[f32],
+    k: usize,
+    w: Weights<'_>,
+    (r0, r1): (usize, usize),
+    y: *mut f32,
+    ldy: usize,
+) {
+    let m = x.len() / k;
+    match w {
+        // SAFETY: rows r0..r1 of w are inside it; the caller vouches for x and y.
+        Weights::F32(w) => unsafe {
+            gemm_block(
+                m,
+                (r1 - r0, k),
+                (x.as_ptr(), k),
+                (w[r0 * k..].as_ptr(), k, 1),
+                y.add(r0),
+                ldy,
+                false,
+            )
+        },
+        Weights::Bf16(w) => BLOCK.with_borrow_mut(|buf| {
+            for b0 in (r0..r1).step_by(BLOCK_ROWS) {
+                let rows = BLOCK_ROWS.min(r1 - b0);
+                for c0 in (0..k).step_by(BLOCK_K) {
+                    let cols = BLOCK_K.min(k - c0);
+                    let block = widen::transposed(w, k, (b0, rows), (c0, cols), buf);
+                    // SAFETY: block is W[r, c] at c·rows + r for the block's rows × cols;
+                    // x's columns c0..c0 + cols exist; y as above.
+                    unsafe {
+                        gemm_block(
+                            m,
+                            (rows, cols),
+                            (x[c0..].as_ptr(), k),
+                            (block.as_ptr(), 1, rows),
+                            y.add(b0),
+                            ldy,
+                            c0 > 0,
+                        )
+                    }
+                }
+            }
+        }),
+    }
+}
+
+/// `y (M, rows) (+)= x (M, cols) · wᵀ` for w (rows, cols), single-threaded. x is a pointer
+/// and its row stride, w a pointer and the strides of its rows and columns (`w[r, c]` at
+/// `r·rs + c·cs`). `accumulate` adds to what y holds instead of overwriting.
+///
+/// # Safety
+/// Every `w[r, c]` and `x[i, c]` is readable, y is writable at `i·ldy + r`.
+unsafe fn gemm_block(
+    m: usize,
+    (rows, cols): (usize, usize),
+    (x, ldx): (*const f32, usize),
+    (w, rs, cs): (*const f32, usize, usize),
+    y: *mut f32,
+    ldy: usize,
+    accumulate: bool,
+) {
+    // dst (M, rows) = lhs x (M, cols) · rhs wᵀ (cols, rows): wᵀ[c, r] is w[r, c].
+    // SAFETY: the caller's contract; gemm reads and writes only inside these extents.
+    unsafe {
+        gemm(
+            m,
+            rows,
+            cols,
+            y,
+            1,
+            ldy as isize,
+            accumulate,
+            x,
+            1,
+            ldx as isize,
+            w,
+            rs as isize,
+            cs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
