@@ -198,6 +198,14 @@ fn grouped_sdpa_equals_per_head_reference() {
             .unwrap();
         let diff = common::max_abs_diff(&ours, &want);
         assert!(diff < 1e-5, "h={h} g={g}: {diff}");
+        // bf16 in, bf16 out, the same values within bf16's rounding.
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let mask = mask.map(bf);
+        let ours = sdpa(&bf(&q), &bf(&k), &bf(&v), 0.3, mask.as_ref()).unwrap();
+        assert_eq!(ours.dtype(), DType::BF16);
+        let ours = ours.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let diff = common::max_abs_diff(&ours.to_vec1::<f32>().unwrap(), &want);
+        assert!(diff < 3e-2, "bf16 h={h} g={g}: {diff}");
     }
 }
 

@@ -141,10 +141,12 @@ unsafe fn chunk(
             )
         },
         Weights::Bf16(w) => BLOCK.with_borrow_mut(|buf| {
+            // Equal column blocks of at most BLOCK_K (576 is 2 × 288, not 512 + 64).
+            let width = k.div_ceil(k.div_ceil(BLOCK_K)).next_multiple_of(8);
             for b0 in (r0..r1).step_by(BLOCK_ROWS) {
                 let rows = BLOCK_ROWS.min(r1 - b0);
-                for c0 in (0..k).step_by(BLOCK_K) {
-                    let cols = BLOCK_K.min(k - c0);
+                for c0 in (0..k).step_by(width) {
+                    let cols = width.min(k - c0);
                     let block = widen::transposed(w, k, (b0, rows), (c0, cols), buf);
                     // SAFETY: block is W[r, c] at c·rows + r for the block's rows × cols;
                     // x's columns c0..c0 + cols exist; y as above.
