@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{edit_config, edit_header, fails, scratch, BIN};
+use common::{edit_config, edit_header, fails, run_json, scratch, BIN};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::Path;
@@ -15,14 +15,6 @@ use tiny_decoder::loader::{self, DTypeArg};
 fn load(dir: &Path, dtype: DTypeArg) -> loader::Loaded {
     let files = loader::resolve(dir.to_str().unwrap()).unwrap();
     loader::load(&files, dtype, &Device::Cpu).unwrap()
-}
-
-/// Runs the CLI with `--json` and parses its one line of stdout.
-fn json_of(args: &[&str]) -> Value {
-    let out = Command::new(BIN).args(args).arg("--json").output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{args:?}: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Rewrites `dir/model.safetensors` with every tensor in `dtype`, and config.json's `dtype`.
@@ -51,16 +43,16 @@ fn dtype_auto_keeps_the_checkpoint_dtype() {
         (&f16_dir, "f32", "f16"),
     ] {
         let d = dir.to_str().unwrap();
-        let info = json_of(&["info", "--model", d]);
+        let info = run_json(&["info", "--model", d]);
         assert_eq!(info["dtype"], want, "{d}: {info}");
         assert_eq!(info["checkpoint_dtype"], stored, "{d}: {info}");
-        let gen = json_of(&["generate", "-m", d, "-p", "hi", "-n", "3"]);
+        let gen = run_json(&["generate", "-m", d, "-p", "hi", "-n", "3"]);
         assert_eq!(gen["dtype"], want, "{d}: {gen}");
         let loaded = load(dir, DTypeArg::Auto);
         assert_eq!(loaded.model.dtype().as_str(), want);
     }
     // An explicit --dtype still wins.
-    let info = json_of(&["info", "-m", bf16_dir.to_str().unwrap(), "--dtype", "f32"]);
+    let info = run_json(&["info", "-m", bf16_dir.to_str().unwrap(), "--dtype", "f32"]);
     assert_eq!(info["dtype"], "f32");
     // The bytes win over a config.json that names another dtype.
     edit_config(&bf16_dir, |v| v["dtype"] = "float32".into());
@@ -233,7 +225,7 @@ fn info_reads_headers_only() {
     let bytes = std::fs::read(&path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     std::fs::write(&path, &bytes[..8 + n + 16]).unwrap();
-    let info = json_of(&["info", "-m", dir.to_str().unwrap()]);
+    let info = run_json(&["info", "-m", dir.to_str().unwrap()]);
     let whole = load(&common::fixture_dir("llama-mha-tied"), DTypeArg::Auto);
     assert_eq!(info["num_parameters"], whole.num_parameters, "{info}");
     fails(

@@ -5,9 +5,8 @@
 mod common;
 
 use candle_core::{DType, Device};
-use common::{edit_config, full_logits, scratch, BIN};
+use common::{edit_config, full_logits, run_json, scratch};
 use std::path::PathBuf;
-use std::process::Command;
 use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, Loaded};
 
@@ -88,18 +87,12 @@ fn peak_rss(dir: &std::path::Path, chars: usize, context: usize) -> (u64, u64) {
     let text: String = heldout().chars().cycle().take(chars).collect();
     let file = dir.join(format!("text-{chars}.txt"));
     std::fs::write(&file, text).unwrap();
-    let out = Command::new(BIN)
-        .args(["eval", "-m", dir.to_str().unwrap(), "--file"])
-        .arg(&file)
-        .args(["--context", &context.to_string(), "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let (d, f, c) = (
+        dir.to_str().unwrap(),
+        file.to_str().unwrap(),
+        context.to_string(),
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&["eval", "-m", d, "--file", f, "--context", &c]);
     (
         v["peak_rss_bytes"].as_u64().unwrap(),
         v["tokens"].as_u64().unwrap(),

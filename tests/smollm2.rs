@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{ids, reference, BIN};
+use common::{ids, reference, run_json, BIN};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -151,25 +151,8 @@ fn smollm2_strided_eval_matches_the_perplexity_guide() {
 #[test]
 fn smollm2_bf16_runs_in_bf16_within_its_weight_bytes() {
     let Some(dir) = bf16_dir() else { return };
-    let out = Command::new(BIN)
-        .args([
-            "generate",
-            "-m",
-            dir.to_str().unwrap(),
-            "-p",
-            "Once upon a time",
-            "-n",
-            "16",
-        ])
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = dir.to_str().unwrap();
+    let v = run_json(&["generate", "-m", d, "-p", "Once upon a time", "-n", "16"]);
     assert_eq!(v["dtype"], "bf16");
     let weights = std::fs::metadata(dir.join("model.safetensors"))
         .unwrap()

@@ -147,7 +147,7 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
     let expanded = b.mla_cache == "expanded";
     let r = bench::run(
         &loaded.model,
-        loaded.weight_bytes,
+        loaded.weight_bytes(),
         b.prompt_tokens,
         b.new_tokens,
         expanded,

@@ -62,7 +62,7 @@ impl Source {
         let checkpoint_dtype = headers::main_float_dtype(&tensors);
         Ok(Description {
             num_parameters: headers::count_parameters(&tensors, cfg.tie_word_embeddings),
-            dtype: dtype.resolve(hf.declared_dtype()?, checkpoint_dtype, device),
+            dtype: run_dtype(dtype, &hf, checkpoint_dtype, device)?,
             checkpoint_dtype,
             cfg,
         })
@@ -88,10 +88,33 @@ pub struct Loaded {
     /// generation_config.json (its stop ids are already in the model's config).
     pub generation: GenerationConfig,
     pub num_parameters: usize,
-    /// Bytes of the weights at the dtype they run in.
-    pub weight_bytes: usize,
     /// The floating-point dtype most of the checkpoint's bytes are stored in.
     pub checkpoint_dtype: Option<DType>,
+}
+
+impl Loaded {
+    /// A model with nothing around it: no tokenizer, no tokenizer or generation files.
+    fn bare(model: Transformer, num_parameters: usize, checkpoint_dtype: Option<DType>) -> Self {
+        Self {
+            model,
+            tokenizer: None,
+            meta: TokenizerMeta::default(),
+            generation: GenerationConfig::default(),
+            num_parameters,
+            checkpoint_dtype,
+        }
+    }
+
+    /// Bytes of the weights at the dtype they run in.
+    pub fn weight_bytes(&self) -> usize {
+        self.num_parameters * self.model.dtype().size_in_bytes()
+    }
+}
+
+/// `--dtype` resolved for a checkpoint whose config is `hf` and whose bytes are mostly
+/// `stored` (see [`DTypeArg::resolve`]).
+fn run_dtype(dtype: DTypeArg, hf: &HfConfig, stored: Option<DType>, dev: &Device) -> Result<DType> {
+    Ok(dtype.resolve(hf.declared_dtype()?, stored, dev))
 }
 
 /// Reads and validates config.json; refuses quantized checkpoints by their config.
@@ -136,9 +159,7 @@ pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> 
     };
     cfg.eos_token_ids = meta::stop_ids(&generation, &cfg.eos_token_ids, &meta, tokenizer.as_ref());
     let checkpoint_dtype = headers::main_float_dtype(&tensors);
-    let dtype = dtype
-        .into()
-        .resolve(hf.declared_dtype()?, checkpoint_dtype, device);
+    let dtype = run_dtype(dtype.into(), &hf, checkpoint_dtype, device)?;
     // SAFETY: as above.
     let mapped = unsafe { MmapedSafetensors::multi(&files.weights) }?;
     let (model, num_parameters) =
@@ -154,13 +175,10 @@ pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> 
         _ => None,
     };
     Ok(Loaded {
-        model,
         tokenizer,
         meta,
         generation,
-        weight_bytes: num_parameters * dtype.size_in_bytes(),
-        num_parameters,
-        checkpoint_dtype,
+        ..Loaded::bare(model, num_parameters, checkpoint_dtype)
     })
 }
 
@@ -197,21 +215,14 @@ pub fn load_bundled(
     let hf = bundled_config(b)?;
     let cfg = hf.validate()?;
     let checkpoint_dtype = headers::main_float_dtype(&bundled_headers(b)?);
-    let dtype = dtype
-        .into()
-        .resolve(hf.declared_dtype()?, checkpoint_dtype, device);
+    let dtype = run_dtype(dtype.into(), &hf, checkpoint_dtype, device)?;
     let tensors = candle_core::safetensors::SliceSafetensors::new(b.weights)?;
     let (model, num_parameters) = weights::build(&cfg, Box::new(tensors), dtype, device)?;
     let tokenizer = Tokenizer::from_bytes(b.tokenizer)
         .map_err(|e| Error::Tokenizer(format!("bundled {}: {e}", b.name)))?;
     Ok(Loaded {
-        model,
         tokenizer: Some(TextTokenizer::plain(tokenizer)),
-        meta: TokenizerMeta::default(),
-        generation: GenerationConfig::default(),
-        weight_bytes: num_parameters * dtype.size_in_bytes(),
-        num_parameters,
-        checkpoint_dtype,
+        ..Loaded::bare(model, num_parameters, checkpoint_dtype)
     })
 }
 
@@ -228,13 +239,5 @@ pub fn random(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Loaded
     )?;
     let (model, num_parameters) =
         weights::build(cfg, Box::new(weights::RandomWeights), dtype, device)?;
-    Ok(Loaded {
-        model,
-        tokenizer: None,
-        meta: TokenizerMeta::default(),
-        generation: GenerationConfig::default(),
-        weight_bytes: num_parameters * dtype.size_in_bytes(),
-        num_parameters,
-        checkpoint_dtype: None,
-    })
+    Ok(Loaded::bare(model, num_parameters, None))
 }

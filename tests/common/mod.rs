@@ -162,3 +162,11 @@ pub fn edit_header(dir: &Path, edit: impl Fn(&mut Value)) {
     out.extend_from_slice(&bytes[8 + n..]);
     std::fs::write(path, out).unwrap();
 }
+
+/// Runs the CLI with `args` and `--json`, checks it succeeded, and parses its stdout.
+pub fn run_json(args: &[&str]) -> Value {
+    let out = Command::new(BIN).args(args).arg("--json").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
