@@ -20,8 +20,8 @@ pub enum LayerCache {
 }
 
 impl LayerCache {
-    /// Writes `a` and `b` (1, heads, T, width) at position `pos` and returns views of
-    /// positions `0..pos + T` of both.
+    /// Writes `a` and `b` (1, heads, T, width) at position `pos`, in the cache's dtype, and
+    /// returns views of positions `0..pos + T` of both.
     pub fn write(
         &self,
         a: &Tensor,
@@ -33,8 +33,8 @@ impl LayerCache {
             LayerCache::Latent { c_kv, k_pe } => (c_kv, k_pe),
         };
         let len = pos + a.dim(2)?;
-        dst_a.slice_set(&a.contiguous()?, 2, pos)?;
-        dst_b.slice_set(&b.contiguous()?, 2, pos)?;
+        dst_a.slice_set(&a.to_dtype(dst_a.dtype())?.contiguous()?, 2, pos)?;
+        dst_b.slice_set(&b.to_dtype(dst_b.dtype())?.contiguous()?, 2, pos)?;
         Ok((dst_a.narrow(2, 0, len)?, dst_b.narrow(2, 0, len)?))
     }
 }

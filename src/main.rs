@@ -6,6 +6,29 @@ mod cli;
 use clap::Parser;
 use cli::args::{Cli, Command};
 
+/// Keeps glibc's malloc from handing freed activation buffers back to the kernel. Each
+/// forward allocates and frees buffers of a few MB (a prompt chunk's activations); by
+/// default glibc serves them with fresh `mmap`s or trims its heap after each free, so every
+/// forward page-faults its buffers in again (a third of prefill's time went to the kernel's
+/// page-fault and page-clearing paths). With fixed thresholds freed memory is reused; the
+/// peak RSS stays the same (it is set by the largest forward), it is only not given back.
+/// SmolLM2-135M prefill of 512 tokens on the AVX2 host: bf16 290 -> 395 tok/s, f32 280 -> 300-390
+/// (alternating runs). mimalloc was as fast but raised the peak RSS by 60 MB (356 -> 414).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_freed_memory() {
+    // glibc takes at most 32 MiB (half its heap size) for the mmap threshold on 64-bit.
+    const MMAP: libc::c_int = 32 << 20;
+    const TRIM: libc::c_int = 1 << 30;
+    // SAFETY: mallopt only sets allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_freed_memory() {}
+
 fn run() -> anyhow::Result<i32> {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -32,6 +55,7 @@ fn pin_thread_count() {
 }
 
 fn main() {
+    keep_freed_memory();
     pin_thread_count();
     std::panic::set_hook(Box::new(|info| {
         eprintln!(

@@ -5,8 +5,9 @@ use super::mlp::Mlp;
 use super::rope::Rotation;
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerCache;
+use crate::model::rms_norm;
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{rms_norm, RmsNorm, VarBuilder};
+use candle_nn::{RmsNorm, VarBuilder};
 
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {

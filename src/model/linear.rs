@@ -73,8 +73,10 @@ pub fn route(isa: Isa, x: &Tensor, w: &Tensor) -> Route {
         && w.rank() == 2
         && w.dim(1).ok() == Some(k)
         && w.is_contiguous()
-        && x.dtype() == w.dtype()
-        && matches!(w.dtype(), DType::F32 | DType::BF16);
+        && matches!(
+            (x.dtype(), w.dtype()),
+            (DType::F32, DType::F32) | (DType::F32 | DType::BF16, DType::BF16)
+        );
     if kernel {
         Route::Kernel
     } else {
@@ -82,10 +84,15 @@ pub fn route(isa: Isa, x: &Tensor, w: &Tensor) -> Route {
     }
 }
 
-/// `x · wᵀ` for x (.., K) and w (N, K): our kernel where it applies, candle's matmul otherwise.
+/// `x · wᵀ` for x (.., K) and w (N, K), in x's dtype: our kernel where it applies, candle's
+/// matmul otherwise. x may be f32 with bf16 weights (see [`crate::model::activation_dtype`]).
 pub fn matvec(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     match route(Isa::current(), x, w) {
         Route::Kernel => x.contiguous()?.apply_op2_no_bwd(w, &matvec::MatVec),
+        // candle's matmul wants one dtype: the product in the weight's, the result in x's.
+        Route::Candle if x.dtype() != w.dtype() => {
+            candle_matmul(&x.to_dtype(w.dtype())?, w)?.to_dtype(x.dtype())
+        }
         Route::Candle => candle_matmul(x, w),
     }
 }
@@ -111,7 +118,7 @@ impl Module for Linear {
         let y = matvec(x, &self.weight)?;
         match &self.bias {
             None => Ok(y),
-            Some(bias) => y.broadcast_add(bias),
+            Some(bias) => y.broadcast_add(&bias.to_dtype(y.dtype())?),
         }
     }
 }

@@ -253,6 +253,12 @@ impl CustomOp3 for DecodeAttention {
                 let out = attend(self, &q[q0..q1], (k, kl), (v, vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
+            // f32 activations over a bf16 cache (`crate::model::activation_dtype`).
+            (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                let q = simd::pair_layout(&q[q0..q1], dk, |v| v);
+                let out = attend(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
+                (CpuStorage::F32(out), shape)
+            }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let q = simd::pair_layout(&q[q0..q1], dk, bf16::to_f32);
                 let out = attend(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;

@@ -5,9 +5,10 @@ use super::sdpa;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::{linear_b, Linear};
+use crate::model::rms_norm;
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor};
-use candle_nn::{rms_norm, RmsNorm, VarBuilder};
+use candle_nn::{RmsNorm, VarBuilder};
 
 #[derive(Debug, Clone)]
 pub struct GqaAttention {

@@ -15,9 +15,10 @@ use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
+use crate::model::rms_norm;
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor, D};
-use candle_nn::{rms_norm, RmsNorm, VarBuilder};
+use candle_nn::{RmsNorm, VarBuilder};
 
 /// How the query is produced: directly, or through a low-rank bottleneck (q-LoRA).
 #[derive(Debug, Clone)]
@@ -209,6 +210,9 @@ impl MlaAttention {
         let m = &self.cfg;
         let (b, h, t, _) = q_nope.dims4()?;
         let (r, rope_dim) = (m.kv_lora_rank, m.qk_rope_head_dim);
+        // In the cache's (and the weights') dtype: candle's matmul takes one dtype.
+        let act = q_nope.dtype();
+        let (q_nope, q_pe) = (q_nope.to_dtype(c_kv.dtype())?, q_pe.to_dtype(c_kv.dtype())?);
         // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
         let q_nope =
             q_nope
@@ -232,6 +236,8 @@ impl MlaAttention {
             .contiguous()?
             .reshape((h, b * t, r))?;
         let o = o_lat.matmul(&self.w_uv.transpose(1, 2)?)?;
-        o.reshape((h, b, t, m.v_head_dim))?.transpose(0, 1) // (B, H, T, v)
+        o.reshape((h, b, t, m.v_head_dim))?
+            .transpose(0, 1)? // (B, H, T, v)
+            .to_dtype(act)
     }
 }

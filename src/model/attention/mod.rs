@@ -85,20 +85,22 @@ pub fn sdpa(
 ) -> Result<Tensor> {
     let (b, h, t, dk) = q.dims4()?;
     let g = k.dim(1)?;
-    let same = q.dtype() == k.dtype() && k.dtype() == v.dtype();
-    if t == 1 && mask.is_none() && same && decode::takes(q) {
+    // The decode op takes one dtype throughout, or f32 queries over a bf16 cache.
+    let fits = k.dtype() == v.dtype() && (q.dtype() == k.dtype() || q.dtype() == DType::F32);
+    if t == 1 && mask.is_none() && fits && decode::takes(k) {
         let op = decode::DecodeAttention {
             scale: scale as f32,
         };
         return q.contiguous()?.apply_op3_no_bwd(k, v, &op); // (B, H, 1, Dv)
     }
-    if q.dtype() != DType::F32 && q.device().is_cpu() {
+    let f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
+    if !f32 && q.device().is_cpu() {
         // candle's CPU matmul has no bf16/f16 kernel: each product would widen its operands
         // and narrow its result, the (.., T, S) scores four times over. In f32 from here on,
         // only q, k and v are widened (SmolLM-135M bf16 prefill of 512 tokens on the AVX2
         // host: 168 -> 186 tok/s, medians of 3 alternating runs).
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa(&f32(q)?, &f32(k)?, &f32(v)?, scale, mask)?.to_dtype(q.dtype());
+        let w = |t: &Tensor| t.to_dtype(DType::F32);
+        return sdpa(&w(q)?, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
     }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
     let scores = q.matmul(&k.t()?)?; // (B, G, H/G·T, S)

@@ -3,9 +3,9 @@
 //! prefill (on AVX-512, see [`simd::tiles_rows`]; on AVX2 a tile of 2 rows, or [`prefill`]
 //! for many). Rows of `W` are split into chunks that a
 //! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] kernel over all of x and
-//! writes its own columns of y. Supported pairs: f32 x with f32 W, bf16 x with bf16 W (x
-//! widened and put in [`simd::pair_layout`] once, W widened in registers, the result rounded
-//! to bf16). Anything else is the caller's job to route to candle's matmul.
+//! writes its own columns of y. Supported pairs: f32 x with f32 or bf16 W, bf16 x with bf16
+//! W (x widened and put in [`simd::pair_layout`] once, bf16 W widened in registers, the
+//! result in x's dtype). Anything else is the caller's job to route to candle's matmul.
 
 use super::prefill::{self, Weights};
 use super::simd::{self, Isa, IsaKind};
@@ -99,6 +99,13 @@ fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     }
 }
 
+/// bf16 weights as their raw bits, as the kernels read them.
+fn bf16_bits(w: &[bf16]) -> &[u16] {
+    // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory read as u16
+    // has the same length and alignment.
+    unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) }
+}
+
 impl CustomOp2 for MatVec {
     fn name(&self) -> &'static str {
         "matvec"
@@ -123,11 +130,21 @@ impl CustomOp2 for MatVec {
                 }
                 CpuStorage::F32(y)
             }
+            (CpuStorage::F32(x), CpuStorage::BF16(w)) => {
+                let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
+                let bits = bf16_bits(w);
+                match prefill::by_gemm(m, true) {
+                    true => prefill::product(x, k, Weights::Bf16(bits), &mut y),
+                    false => {
+                        let x = simd::pair_layout(x, k, |v| v);
+                        product(&x, k, bits, &mut y, simd::rows_bf16_strided)
+                    }
+                }
+                CpuStorage::F32(y)
+            }
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
-                // SAFETY: half::bf16 is #[repr(transparent)] over u16, so the same memory
-                // read as u16 has the same length and alignment.
-                let bits = unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u16, w.len()) };
+                let bits = bf16_bits(w);
                 if prefill::by_gemm(m, true) {
                     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     prefill::product(&x, k, Weights::Bf16(bits), &mut y);
