@@ -1,6 +1,10 @@
-//! Generation: prefill the prompt in one forward, then one token per step until an EOS id,
-//! the token budget or the end of the cache. Text streams out as it is produced, never
+//! Generation: prefill the prompt (after what the cache already holds), then one token per
+//! step until an EOS id, a stop string, the token budget or the end of the cache. Text streams out as it is produced, never
 //! splitting a multi-byte character. Knows nothing of weights: a model, a tokenizer, a sampler.
+
+mod stop;
+
+pub use stop::StopStrings;
 
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
@@ -22,16 +26,19 @@ pub enum StopReason {
     Context,
     /// The caller asked to stop (Ctrl-C).
     Interrupted,
+    /// The text reached one of the stop strings.
+    Stop,
 }
 
 impl StopReason {
-    /// The `stop_reason` of `--json`: `eos`, `length` (the context limit is a length limit)
-    /// or `interrupted`.
+    /// The `stop_reason` of `--json`: `eos`, `length` (the context limit is a length limit),
+    /// `stop` or `interrupted`.
     pub fn as_str(&self) -> &'static str {
         match self {
             StopReason::Eos => "eos",
             StopReason::Length | StopReason::Context => "length",
             StopReason::Interrupted => "interrupted",
+            StopReason::Stop => "stop",
         }
     }
 }
@@ -40,6 +47,9 @@ impl StopReason {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub prompt_token_ids: Vec<u32>,
+    /// Leading prompt tokens that were already in the cache (a chat turn's history): only
+    /// the rest was prefilled.
+    pub reused_tokens: usize,
     /// Generated ids, the stop token excluded.
     pub token_ids: Vec<u32>,
     pub text: String,
@@ -54,8 +64,13 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// Prompt tokens run through the model this time.
+    pub fn prefill_tokens(&self) -> usize {
+        self.prompt_token_ids.len() - self.reused_tokens
+    }
+
     pub fn prefill_tokens_per_s(&self) -> f64 {
-        self.prompt_token_ids.len() as f64 / self.prefill_secs.max(1e-9)
+        self.prefill_tokens() as f64 / self.prefill_secs.max(1e-9)
     }
 
     pub fn decode_tokens_per_s(&self) -> f64 {
@@ -113,6 +128,26 @@ impl<'a> TokenStream<'a> {
     }
 }
 
+/// What ends a generation besides the model's EOS ids, and who may interrupt it.
+#[derive(Debug, Clone, Copy)]
+pub struct Options<'a> {
+    pub max_new_tokens: usize,
+    /// Text that ends generation; it and what follows are not part of the output.
+    pub stop: &'a [String],
+    /// Checked before every decode step; once set, generation stops as `Interrupted`.
+    pub interrupt: Option<&'a AtomicBool>,
+}
+
+impl Options<'_> {
+    pub fn new(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            stop: &[],
+            interrupt: None,
+        }
+    }
+}
+
 /// Generates up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each complete
 /// piece of text. The cache is sized for prompt + new tokens, capped at the context length.
 pub fn generate(
@@ -123,58 +158,66 @@ pub fn generate(
     sampler: &mut Sampler,
     on_text: impl FnMut(&str),
 ) -> Result<Generation> {
-    let never = AtomicBool::new(false);
-    generate_until(
-        model,
-        tokenizer,
-        prompt_ids,
-        max_new_tokens,
-        sampler,
-        on_text,
-        &never,
+    let opts = Options::new(max_new_tokens);
+    let mut cache = cache_for(model, prompt_ids.len(), max_new_tokens)?;
+    generate_in(
+        model, tokenizer, &mut cache, prompt_ids, opts, sampler, on_text,
     )
 }
 
-/// [`generate`] that also stops, with [`StopReason::Interrupted`], once `interrupt` is set
-/// (checked before every decode step).
-pub fn generate_until(
+/// A cache for `prompt` + `new` tokens, capped at the model's context length.
+pub fn cache_for(model: &Transformer, prompt: usize, new: usize) -> Result<KvCache> {
+    let cfg = model.config();
+    let capacity = prompt.saturating_add(new).min(cfg.max_position_embeddings);
+    let device: &Device = model.device();
+    KvCache::new(cfg, capacity, model.dtype(), device)
+}
+
+/// Generates after `prompt_ids` into `cache`, which may already hold a prefix of them: the
+/// caller guarantees its first `cache.len()` positions are `prompt_ids[..cache.len()]` (a
+/// chat turn's shared history), and only the rest is prefilled (at least the last prompt
+/// token, for its logits). At the end the cache holds the prompt and every generated token
+/// but the last (which was never fed back).
+pub fn generate_in(
     model: &Transformer,
     tokenizer: &Tokenizer,
+    cache: &mut KvCache,
     prompt_ids: &[u32],
-    max_new_tokens: usize,
+    opts: Options<'_>,
     sampler: &mut Sampler,
     mut on_text: impl FnMut(&str),
-    interrupt: &AtomicBool,
 ) -> Result<Generation> {
     let cfg = model.config();
     let context = cfg.max_position_embeddings;
     if prompt_ids.is_empty() {
         return Err(Error::Invalid("the prompt encodes to no tokens".into()));
     }
-    if prompt_ids.len() >= context {
+    if prompt_ids.len() >= context.min(cache.capacity() + 1) {
         return Err(Error::Invalid(format!(
-            "the prompt is {} tokens but the context length is {context}: shorten the prompt",
-            prompt_ids.len()
+            "the prompt is {} tokens but the context length is {}: shorten the prompt",
+            prompt_ids.len(),
+            context.min(cache.capacity())
         )));
     }
-    let capacity = prompt_ids.len().saturating_add(max_new_tokens).min(context);
-    let device: &Device = model.device();
-    let mut cache = KvCache::new(cfg, capacity, model.dtype(), device)?;
+    let reused = cache.len().min(prompt_ids.len() - 1);
+    cache.truncate(reused);
     let mut history = prompt_ids.to_vec();
     let mut stream = TokenStream::new(tokenizer, &prompt_ids[prompt_ids.len() - 1..]);
+    let mut stops = StopStrings::new(opts.stop);
     let mut token_ids = Vec::new();
     let mut decode_steps = 0;
+    let interrupted = || opts.interrupt.is_some_and(|i| i.load(Ordering::Relaxed));
 
     let start = Instant::now();
-    let mut logits = model.next_logits(prompt_ids, &mut cache)?;
+    let mut logits = model.next_logits(&prompt_ids[reused..], cache)?;
     let prefill_secs = start.elapsed().as_secs_f64();
 
     let start = Instant::now();
     let stop_reason = loop {
-        if interrupt.load(Ordering::Relaxed) {
+        if interrupted() {
             break StopReason::Interrupted;
         }
-        if token_ids.len() == max_new_tokens {
+        if token_ids.len() == opts.max_new_tokens {
             break StopReason::Length;
         }
         let next = sampler.sample(&logits, &history);
@@ -184,26 +227,38 @@ pub fn generate_until(
         token_ids.push(next);
         history.push(next);
         if let Some(text) = stream.push(next)? {
-            on_text(&text);
+            let (shown, stopped) = stops.push(&text);
+            on_text(&shown);
+            if stopped {
+                break StopReason::Stop;
+            }
         }
-        if token_ids.len() == max_new_tokens {
+        if token_ids.len() == opts.max_new_tokens {
             break StopReason::Length;
         }
         if cache.len() == cache.capacity() {
             break StopReason::Context;
         }
         decode_steps += 1;
-        logits = model.next_logits(&[next], &mut cache)?;
+        logits = model.next_logits(&[next], cache)?;
     };
-    if let Some(text) = stream.flush()? {
-        on_text(&text);
+    if stop_reason != StopReason::Stop {
+        let rest = stream
+            .flush()?
+            .map(|t| stops.push(&t).0)
+            .unwrap_or_default();
+        on_text(&(rest + &stops.finish()));
     }
     let decode_secs = start.elapsed().as_secs_f64();
-    let text = tokenizer
+    let mut text = tokenizer
         .decode(&token_ids, true)
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    if let Some(at) = stop::first_match(&text, opts.stop) {
+        text.truncate(at);
+    }
     Ok(Generation {
         prompt_token_ids: prompt_ids.to_vec(),
+        reused_tokens: reused,
         token_ids,
         text,
         stop_reason,

@@ -142,6 +142,12 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Keeps only the first `len` positions (no-op when it holds fewer): the next token goes
+    /// at `len`, overwriting what was there. A chat turn keeps the prefix it shares.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Checks that `t` more tokens fit, before any layer writes.
     pub(crate) fn reserve(&self, t: usize) -> Result<()> {
         if self.len + t > self.capacity {

@@ -38,6 +38,7 @@ fn run() -> anyhow::Result<i32> {
     };
     match cli.command {
         Command::Generate(a) => cli::run_generate(a),
+        Command::Chat(a) => cli::run_chat(a).map(|_| 0),
         Command::Eval(a) => cli::run_eval(a).map(|_| 0),
         Command::Info { model, json } => cli::run_info(model, json).map(|_| 0),
         Command::Bench(b) => cli::run_bench(b).map(|_| 0),

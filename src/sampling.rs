@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::borrow::Cow;
 
+pub mod defaults;
 mod softmax;
+pub use defaults::Requested;
 pub use softmax::softmax;
 use softmax::{max_of, sum_of};
 

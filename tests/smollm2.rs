@@ -9,35 +9,11 @@
 
 mod common;
 
-use common::{ids, reference, run_json, BIN};
-use std::io::Write;
+use common::{checkpoint, ids, reference, run_json, BIN};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, DTypeArg, Loaded};
-
-/// `target/models/<name>`, or under `$TINY_DECODER_SMOLLM2` when set.
-fn checkpoint(name: &str) -> Option<PathBuf> {
-    let root = match std::env::var_os("TINY_DECODER_SMOLLM2") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/models"),
-    };
-    let dir = root.join(name);
-    if dir.join(".complete").is_file() {
-        return Some(dir);
-    }
-    let msg = format!(
-        "SKIPPED: {} is not built (run scripts/build_smollm2.sh)",
-        dir.display()
-    );
-    assert!(
-        std::env::var_os("TINY_DECODER_REQUIRE_SMOLLM2").is_none(),
-        "{msg}"
-    );
-    // Straight to the stderr handle: libtest captures eprintln!, and a skip must show.
-    let _ = writeln!(std::io::stderr(), "{msg}");
-    None
-}
 
 fn f32_dir() -> Option<PathBuf> {
     checkpoint("smollm2-135m-instruct")

@@ -19,6 +19,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (streams to stdout, statistics to stderr).
     Generate(GenerateArgs),
+    /// Talk to an instruct model: one line per turn, /clear starts over, /exit or EOF ends.
+    Chat(ChatArgs),
     /// Mean negative log-likelihood and perplexity of a text file.
     Eval(EvalArgs),
     /// Describe a model from its config and safetensors headers (no weights are read).
@@ -95,32 +97,100 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// Sampling flags; one left out takes generation_config.json's value, else llama.cpp's
+/// default (`tiny_decoder::sampling::defaults`).
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
+    /// 0 is greedy decoding [default: generation_config.json's, else 0.8].
+    #[arg(short, long, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Keep only the K most likely tokens, 0: off [default: generation_config.json's, else 40].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the most likely tokens up to this probability mass [default: ..., else 0.95].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one [default: 0.05].
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_p: Option<f32>,
+    /// Penalty on tokens already in the sequence, 1: off [default: ..., else 1].
+    #[arg(long, allow_negative_numbers = true)]
+    pub repeat_penalty: Option<f32>,
+    /// Random seed [default: a random one, reported on stderr and in --json].
+    #[arg(short, long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn requested(&self) -> tiny_decoder::sampling::Requested {
+        tiny_decoder::sampling::Requested {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+        }
+    }
+}
+
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "messages"])))]
 pub struct GenerateArgs {
     /// A local directory, a Hugging Face repo id, or a bundled model: tiny-mha, tiny-gqa
     /// (the default), tiny-mqa, tiny-mla.
     #[arg(short, long)]
     pub model: Option<String>,
+    /// The prompt: one user message when the model has a chat template; `-` reads stdin.
     #[arg(short, long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// An OpenAI-style JSON list of {"role", "content"} messages (needs a chat template).
+    #[arg(long, conflicts_with = "raw")]
+    pub messages: Option<PathBuf>,
+    /// A system message before the prompt (needs a chat template).
+    #[arg(long, conflicts_with_all = ["raw", "messages"])]
+    pub system: Option<String>,
+    /// Send the prompt as plain text, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
     #[arg(short = 'n', long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// 0 is greedy decoding.
-    #[arg(short, long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub temperature: f32,
-    /// Keep only the K most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub min_p: f32,
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub repeat_penalty: f32,
-    #[arg(short, long, default_value_t = 299792458)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// End generation when the text contains STR (repeatable); STR is not printed.
+    #[arg(long, value_name = "STR")]
+    pub stop: Vec<String>,
     #[command(flatten)]
     pub placement: Placement,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ChatArgs {
+    /// A local directory, a Hugging Face repo id, or a bundled model (default tiny-gqa).
+    #[arg(short, long)]
+    pub model: Option<String>,
+    /// The system message, kept when old turns are dropped to fit the context.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(short = 'n', long, default_value_t = 512)]
+    pub max_new_tokens: usize,
+    /// Tokens the conversation may hold (default: the model's context, at most 4096).
+    #[arg(long)]
+    pub context: Option<usize>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// End a reply when its text contains STR (repeatable).
+    #[arg(long, value_name = "STR")]
+    pub stop: Vec<String>,
+    #[command(flatten)]
+    pub placement: Placement,
+    /// One JSON object per turn (JSON lines) instead of text.
     #[arg(long)]
     pub json: bool,
 }

@@ -2,8 +2,10 @@
 //! prints (JSON with `--json`, text otherwise). anyhow lives here, at the edge, only.
 
 pub mod args;
+mod chat;
 mod generate;
 
+pub use chat::run_chat;
 pub use generate::run_generate;
 
 use anyhow::{bail, Context, Result};
@@ -11,6 +13,7 @@ use args::{BenchArgs, EvalArgs, ModelArgs, Placement};
 use candle_core::{DType, Device};
 use serde_json::json;
 use std::io::IsTerminal;
+use tiny_decoder::chat::ChatTemplate;
 use tiny_decoder::config::AttentionConfig;
 use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, dtype_name, DTypeArg, Loaded, TextTokenizer};
@@ -32,6 +35,17 @@ fn tokenizer<'a>(loaded: &'a Loaded, model: &str) -> Result<&'a TextTokenizer> {
         .tokenizer
         .as_ref()
         .with_context(|| format!("{model}: missing tokenizer.json"))
+}
+
+/// The model's chat template, with the bos/eos strings it is rendered with; `None` when the
+/// checkpoint has none.
+fn chat_template(loaded: &Loaded) -> Result<Option<ChatTemplate>> {
+    let meta = &loaded.meta;
+    let Some(source) = &meta.chat_template else {
+        return Ok(None);
+    };
+    let template = ChatTemplate::new(source, meta.bos_token.as_deref(), meta.eos_token.as_deref())?;
+    Ok(Some(template))
 }
 
 /// The attention fields `info` reports: K/V heads, or MLA's latent widths.

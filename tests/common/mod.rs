@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tiny_decoder::loader::{self, Loaded};
@@ -169,4 +170,27 @@ pub fn run_json(args: &[&str]) -> Value {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{args:?}: {stderr}");
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// SmolLM2's directory `target/models/<name>` (scripts/build_smollm2.sh), or under `$TINY_DECODER_SMOLLM2` when set.
+pub fn checkpoint(name: &str) -> Option<PathBuf> {
+    let root = match std::env::var_os("TINY_DECODER_SMOLLM2") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/models"),
+    };
+    let dir = root.join(name);
+    if dir.join(".complete").is_file() {
+        return Some(dir);
+    }
+    let msg = format!(
+        "SKIPPED: {} is not built (run scripts/build_smollm2.sh)",
+        dir.display()
+    );
+    assert!(
+        std::env::var_os("TINY_DECODER_REQUIRE_SMOLLM2").is_none(),
+        "{msg}"
+    );
+    // Straight to the stderr handle: libtest captures eprintln!, and a skip must show.
+    let _ = writeln!(std::io::stderr(), "{msg}");
+    None
 }
