@@ -19,6 +19,8 @@ fn generate_json(model: &str, env: &[(&str, &str)]) -> serde_json::Value {
         "The quick brown fox",
         "--max-new-tokens",
         "8",
+        "--temperature",
+        "0",
         "--json",
     ]);
     cmd.envs(env.iter().copied());

@@ -156,7 +156,9 @@ fn smollm2_ctrl_c_prints_what_was_generated() {
             "-p",
             "Once upon a time",
         ])
-        .args(["-n", "4000", "--json"])
+        // Plain text and greedy: a story that runs on (a chat reply could end before the
+        // signal).
+        .args(["--raw", "-t", "0", "-n", "4000", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
