@@ -20,6 +20,9 @@ pub enum Error {
     /// A request the model cannot serve (prompt too long, bad sampling parameter, ...).
     #[error("{0}")]
     Invalid(String),
+    /// A chat template failed to compile or render (`line`: the template's line, 1-based).
+    #[error("chat template{}: {msg}", line.map(|l| format!(", line {l}")).unwrap_or_default())]
+    Template { line: Option<usize>, msg: String },
     #[error("{}", candle_message(.0))]
     Candle(#[from] candle_core::Error),
 }

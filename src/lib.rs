@@ -6,6 +6,7 @@
 //! directories (config.json, safetensors, tokenizer.json) or hub repo ids ([`loader`]).
 
 pub mod bench;
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod eval;
