@@ -10,7 +10,6 @@ mod common;
 
 use common::{ids, reference};
 use serde_json::Value;
-use std::io::Write;
 use std::path::PathBuf;
 use tiny_decoder::chat::{ChatTemplate, Message};
 
@@ -94,25 +93,8 @@ fn raise_exception_fails_with_the_template_message() {
 /// SmolLM2's tokenizer, or None (SKIPPED) where the checkpoint is not built; as
 /// tests/smollm2.rs finds it: `target/models`, or `$TINY_DECODER_SMOLLM2`.
 fn smollm2_tokenizer() -> Option<tokenizers::Tokenizer> {
-    let root = match std::env::var_os("TINY_DECODER_SMOLLM2") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/models"),
-    };
-    let dir = root.join("smollm2-135m-instruct");
-    if dir.join(".complete").is_file() {
-        return Some(tiny_decoder::loader::load_tokenizer(&dir.join("tokenizer.json")).unwrap());
-    }
-    let msg = format!(
-        "SKIPPED: {} is not built (run scripts/build_smollm2.sh)",
-        dir.display()
-    );
-    assert!(
-        std::env::var_os("TINY_DECODER_REQUIRE_SMOLLM2").is_none(),
-        "{msg}"
-    );
-    // Straight to the stderr handle: libtest captures eprintln!, and a skip must show.
-    let _ = writeln!(std::io::stderr(), "{msg}");
-    None
+    let dir = common::checkpoint("smollm2-135m-instruct")?;
+    Some(tiny_decoder::loader::load_tokenizer(&dir.join("tokenizer.json")).unwrap())
 }
 
 #[test]
