@@ -278,7 +278,7 @@ fn linear_equals_candle_nn_linear_on_every_path() -> candle_core::Result<()> {
             let (x, ours, theirs) = (
                 x.to_dtype(dtype)?,
                 Linear::new(
-                    ours.weight().to_dtype(dtype)?,
+                    ours.weight().unwrap().to_dtype(dtype)?,
                     ours.bias().map(|b| b.to_dtype(dtype)).transpose()?,
                 ),
                 candle_nn::Linear::new(

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tiny_decoder::chat::{self, Message};
 use tiny_decoder::generate::{self, Generation, Options, StopReason};
-use tiny_decoder::loader::{bundled, dtype_name, GenerationConfig, Loaded, TextTokenizer};
+use tiny_decoder::loader::{bundled, GenerationConfig, Loaded, TextTokenizer};
 use tiny_decoder::sampling::{Sampler, SamplingParams};
 
 /// Set by the first Ctrl-C; generation stops at its next step.
@@ -76,7 +76,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
             }
         },
     )?;
-    let dtype = dtype_name(loaded.model.dtype());
+    let dtype = loaded.dtype_label();
     let peak = tiny_decoder::bench::peak_rss_bytes();
     if json_mode {
         let out = json!({

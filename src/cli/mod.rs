@@ -16,7 +16,7 @@ use std::io::IsTerminal;
 use tiny_decoder::chat::ChatTemplate;
 use tiny_decoder::config::AttentionConfig;
 use tiny_decoder::eval::{self, Windows};
-use tiny_decoder::loader::{self, dtype_name, DTypeArg, Loaded, TextTokenizer};
+use tiny_decoder::loader::{self, dtype_label, dtype_name, DTypeArg, Loaded, TextTokenizer};
 use tiny_decoder::{bench, ModelConfig};
 
 /// `--dtype` and `--device`.
@@ -76,8 +76,8 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "num_parameters": d.num_parameters,
-        "weight_bytes": d.num_parameters * size,
-        "dtype": dtype_name(d.dtype),
+        "weight_bytes": d.weight_bytes,
+        "dtype": dtype_label(d.dtype, d.quantization),
         "checkpoint_dtype": d.checkpoint_dtype.map(dtype_name),
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
         "mha_kv_bytes_per_token": cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * size,
@@ -125,7 +125,7 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     })?;
     bar.finish_and_clear();
     let peak = bench::peak_rss_bytes();
-    let dtype = dtype_name(loaded.model.dtype());
+    let dtype = loaded.dtype_label();
     if a.json {
         println!(
             "{}",
@@ -153,8 +153,9 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
         (None, Some(c)) => {
             let (dtype, device) = placement(&b.placement)?;
             // Random weights have no checkpoint dtype: `auto` is f32.
+            let quant = dtype.quantization();
             let dtype = dtype.resolve(None, Some(DType::F32), &device);
-            loader::random(&ModelConfig::from_file(c)?, dtype, &device)?
+            loader::random(&ModelConfig::from_file(c)?, dtype, quant, &device)?
         }
         (None, None) => bail!("bench needs --model or --config"),
     };
@@ -170,13 +171,13 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
     out["peak_rss_bytes"] = json!(bench::peak_rss_bytes());
     out["num_parameters"] = json!(loaded.num_parameters);
     out["attention"] = json!(loaded.model.config().attention_kind());
-    out["dtype"] = json!(dtype_name(loaded.model.dtype()));
+    out["dtype"] = json!(loaded.dtype_label());
     if b.json {
         println!("{out}");
     } else {
         println!(
             "{} | prefill {:.1} tok/s | decode {:.1} tok/s | {:.1} GB/s read | weights {} MB | KV {} bytes | peak RSS {} MB",
-            dtype_name(loaded.model.dtype()),
+            loaded.dtype_label(),
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
             r.decode_read_gb_per_s,

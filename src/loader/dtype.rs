@@ -2,14 +2,17 @@
 //! resolved against what this device runs well.
 
 use crate::error::{Error, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 
-/// `--dtype`: the checkpoint's own dtype (`auto`, the default) or a fixed one.
+/// `--dtype`: the checkpoint's own dtype (`auto`, the default), a fixed one, or the layers'
+/// projections quantized at load to a ggml block format (the rest as with `auto`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DTypeArg {
     #[default]
     Auto,
     Fixed(DType),
+    Quantized(GgmlDType),
 }
 
 impl From<DType> for DTypeArg {
@@ -26,9 +29,19 @@ impl DTypeArg {
             "f32" | "float32" => Ok(DType::F32.into()),
             "f16" | "float16" => Ok(DType::F16.into()),
             "bf16" | "bfloat16" => Ok(DType::BF16.into()),
+            "q8_0" => Ok(DTypeArg::Quantized(GgmlDType::Q8_0)),
+            "q4_0" => Ok(DTypeArg::Quantized(GgmlDType::Q4_0)),
             other => Err(Error::Invalid(format!(
-                "unknown --dtype {other:?} (auto, f32, f16, bf16)"
+                "unknown --dtype {other:?} (auto, f32, f16, bf16, q8_0, q4_0)"
             ))),
+        }
+    }
+
+    /// The block format the layers' projections are quantized to, if any.
+    pub fn quantization(self) -> Option<GgmlDType> {
+        match self {
+            DTypeArg::Quantized(q) => Some(q),
+            _ => None,
         }
     }
 
@@ -39,10 +52,12 @@ impl DTypeArg {
     pub fn resolve(self, declared: Option<DType>, stored: Option<DType>, dev: &Device) -> DType {
         match self {
             DTypeArg::Fixed(d) => d,
-            DTypeArg::Auto => match stored.or(declared).unwrap_or(DType::F32) {
-                DType::F16 if dev.is_cpu() => DType::F32,
-                d => d,
-            },
+            DTypeArg::Auto | DTypeArg::Quantized(_) => {
+                match stored.or(declared).unwrap_or(DType::F32) {
+                    DType::F16 if dev.is_cpu() => DType::F32,
+                    d => d,
+                }
+            }
         }
     }
 }
@@ -50,6 +65,23 @@ impl DTypeArg {
 /// The name `--json` and `info` report for a dtype: `f32`, `bf16`, `f16`.
 pub fn name(d: DType) -> &'static str {
     d.as_str()
+}
+
+/// The name reported for a model's weights: the block format of its projections when
+/// quantized (`q8_0`, `q4_0`), else its dtype's [`name`].
+pub fn label(d: DType, quant: Option<GgmlDType>) -> &'static str {
+    match quant {
+        Some(GgmlDType::Q8_0) => "q8_0",
+        Some(GgmlDType::Q4_0) => "q4_0",
+        Some(GgmlDType::Q4_1) => "q4_1",
+        Some(_) => "quantized",
+        None => name(d),
+    }
+}
+
+/// Bytes a row-major (rows, cols) matrix takes in block format `q`.
+pub fn quantized_bytes(q: GgmlDType, elems: usize) -> usize {
+    elems / q.block_size() * q.type_size()
 }
 
 /// Parses `--device`; `cuda` needs a build with `--features cuda`.

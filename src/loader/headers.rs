@@ -4,6 +4,7 @@
 //! them before any tensor is read.
 
 use crate::error::{Error, Result};
+use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -119,6 +120,25 @@ pub fn count_parameters(tensors: &[TensorInfo], tied: bool) -> usize {
         .filter(|t| !t.name.ends_with("inv_freq"))
         .filter(|t| !(tied && t.name == "lm_head.weight"))
         .map(TensorInfo::elem_count)
+        .sum()
+}
+
+/// Bytes that quantizing the layers' projections to `q` saves against `dtype`, by the rule
+/// `Transformer::new_quantized` applies: every 2-D `*_proj.weight` (and MLA's
+/// `kv_a_proj_with_mqa.weight`) under `model.layers`
+/// whose rows are whole blocks, except MLA's `kv_b_proj` (its halves are multiplied per
+/// head). (transformers' fused expert tensors, 3-D here, are not counted.)
+pub fn quantization_saved_bytes(tensors: &[TensorInfo], dtype: DType, q: GgmlDType) -> usize {
+    tensors
+        .iter()
+        .filter(|t| t.name.starts_with("model.layers."))
+        .filter(|t| t.name.ends_with("_proj.weight") || t.name.ends_with("_proj_with_mqa.weight"))
+        .filter(|t| !t.name.ends_with("kv_b_proj.weight"))
+        .filter(|t| t.shape.len() == 2 && t.shape[1].is_multiple_of(q.block_size()))
+        .map(|t| {
+            t.elem_count() * dtype.size_in_bytes()
+                - super::dtype::quantized_bytes(q, t.elem_count())
+        })
         .sum()
 }
 

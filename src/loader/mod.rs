@@ -13,13 +13,14 @@ mod hub;
 pub mod meta;
 mod weights;
 
-pub use dtype::{name as dtype_name, parse_device, DTypeArg};
+pub use dtype::{label as dtype_label, name as dtype_name, parse_device, DTypeArg};
 pub use files::{resolve, ModelFiles};
 pub use meta::{GenerationConfig, TextTokenizer, TokenizerMeta};
 
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::{candle_message, Error, Result};
 use crate::model::Transformer;
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 use headers::TensorInfo;
@@ -60,9 +61,17 @@ impl Source {
         };
         let cfg = hf.validate()?;
         let checkpoint_dtype = headers::main_float_dtype(&tensors);
+        let run = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
+        let num_parameters = headers::count_parameters(&tensors, cfg.tie_word_embeddings);
+        let saved = match dtype.quantization() {
+            Some(q) => headers::quantization_saved_bytes(&tensors, run, q),
+            None => 0,
+        };
         Ok(Description {
-            num_parameters: headers::count_parameters(&tensors, cfg.tie_word_embeddings),
-            dtype: run_dtype(dtype, &hf, checkpoint_dtype, device)?,
+            num_parameters,
+            weight_bytes: num_parameters * run.size_in_bytes() - saved,
+            dtype: run,
+            quantization: dtype.quantization(),
             checkpoint_dtype,
             cfg,
         })
@@ -74,8 +83,12 @@ impl Source {
 pub struct Description {
     pub cfg: ModelConfig,
     pub num_parameters: usize,
+    /// Bytes the weights would take as run (quantized projections counted in blocks).
+    pub weight_bytes: usize,
     /// The dtype it would run in, and the one its safetensors hold.
     pub dtype: DType,
+    /// The block format of the layers' projections with `--dtype q8_0|q4_0`.
+    pub quantization: Option<GgmlDType>,
     pub checkpoint_dtype: Option<DType>,
 }
 
@@ -105,9 +118,15 @@ impl Loaded {
         }
     }
 
-    /// Bytes of the weights at the dtype they run in.
+    /// Bytes of the weights at the dtype (and block format) they run in.
     pub fn weight_bytes(&self) -> usize {
         self.num_parameters * self.model.dtype().size_in_bytes()
+            - self.model.quantization_saved_bytes()
+    }
+
+    /// What `--json` reports as `dtype`: `q8_0`/`q4_0` when quantized, else `f32`, `bf16`...
+    pub fn dtype_label(&self) -> &'static str {
+        dtype::label(self.model.dtype(), self.model.quantization())
     }
 }
 
@@ -159,12 +178,19 @@ pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> 
     };
     cfg.eos_token_ids = meta::stop_ids(&generation, &cfg.eos_token_ids, &meta, tokenizer.as_ref());
     let checkpoint_dtype = headers::main_float_dtype(&tensors);
-    let dtype = run_dtype(dtype.into(), &hf, checkpoint_dtype, device)?;
+    let dtype: DTypeArg = dtype.into();
+    let quant = dtype.quantization();
+    let dtype = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
     // SAFETY: as above.
     let mapped = unsafe { MmapedSafetensors::multi(&files.weights) }?;
-    let (model, num_parameters) =
-        weights::build(&cfg, Box::new(weights::Unmapping(mapped)), dtype, device)
-            .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
+    let (model, num_parameters) = weights::build(
+        &cfg,
+        Box::new(weights::Unmapping(mapped)),
+        dtype,
+        quant,
+        device,
+    )
+    .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
     // Checked after the weights, whose own mismatch (a tensor's shape) names more.
     let tokenizer = match (tokenizer, &files.tokenizer) {
         (Some(t), Some(path)) => Some(TextTokenizer::new(
@@ -215,9 +241,11 @@ pub fn load_bundled(
     let hf = bundled_config(b)?;
     let cfg = hf.validate()?;
     let checkpoint_dtype = headers::main_float_dtype(&bundled_headers(b)?);
-    let dtype = run_dtype(dtype.into(), &hf, checkpoint_dtype, device)?;
+    let dtype: DTypeArg = dtype.into();
+    let quant = dtype.quantization();
+    let dtype = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
     let tensors = candle_core::safetensors::SliceSafetensors::new(b.weights)?;
-    let (model, num_parameters) = weights::build(&cfg, Box::new(tensors), dtype, device)?;
+    let (model, num_parameters) = weights::build(&cfg, Box::new(tensors), dtype, quant, device)?;
     let tokenizer = Tokenizer::from_bytes(b.tokenizer)
         .map_err(|e| Error::Tokenizer(format!("bundled {}: {e}", b.name)))?;
     Ok(Loaded {
@@ -228,7 +256,12 @@ pub fn load_bundled(
 
 /// A model with random weights from a config alone (for `bench --config`): N(0, 0.02),
 /// norms 1. Refused up front when the weights would not fit this machine's memory.
-pub fn random(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Loaded> {
+pub fn random(
+    cfg: &ModelConfig,
+    dtype: DType,
+    quant: Option<GgmlDType>,
+    device: &Device,
+) -> Result<Loaded> {
     let bytes = cfg
         .parameter_estimate()
         .saturating_mul(dtype.size_in_bytes());
@@ -238,6 +271,6 @@ pub fn random(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Loaded
         "lower vocab_size, hidden_size, intermediate_size or num_hidden_layers",
     )?;
     let (model, num_parameters) =
-        weights::build(cfg, Box::new(weights::RandomWeights), dtype, device)?;
+        weights::build(cfg, Box::new(weights::RandomWeights), dtype, quant, device)?;
     Ok(Loaded::bare(model, num_parameters, None))
 }

@@ -5,6 +5,7 @@
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::Transformer;
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -18,6 +19,7 @@ pub(super) fn build(
     cfg: &ModelConfig,
     backend: Box<dyn SimpleBackend>,
     dtype: DType,
+    quant: Option<GgmlDType>,
     device: &Device,
 ) -> Result<(Transformer, usize)> {
     let params = Arc::new(AtomicUsize::new(0));
@@ -26,7 +28,7 @@ pub(super) fn build(
         params: params.clone(),
     };
     let vb = VarBuilder::from_backend(Box::new(counting), dtype, device.clone());
-    let model = Transformer::new(cfg, vb)?;
+    let model = Transformer::new_quantized(cfg, vb, quant)?;
     Ok((model, params.load(Ordering::Relaxed)))
 }
 

@@ -47,6 +47,11 @@ impl DecoderLayer {
         x + mlp
     }
 
+    /// Quantizes the attention and MLP projections; returns the bytes saved.
+    pub fn quantize(&mut self, q: candle_core::quantized::GgmlDType) -> Result<usize> {
+        Ok(self.self_attn.quantize(q)? + self.mlp.quantize(q)?)
+    }
+
     pub fn self_attn(&self) -> &Attention {
         &self.self_attn
     }

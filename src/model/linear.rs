@@ -12,30 +12,69 @@ pub mod matvec;
 pub mod prefill;
 pub mod simd;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use simd::Isa;
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 pub struct Linear {
-    /// (out_features, in_features), as in the checkpoint. The fast path needs it contiguous
-    /// (it is, as loaded); a strided weight silently takes candle's matmul instead.
-    weight: Tensor,
+    weight: Weight,
     /// (out_features,), added after the product.
     bias: Option<Tensor>,
 }
 
+#[derive(Clone, Debug)]
+enum Weight {
+    /// (out_features, in_features), as in the checkpoint. The fast path needs it contiguous
+    /// (it is, as loaded); a strided weight silently takes candle's matmul instead.
+    Dense(Tensor),
+    /// In one of ggml's block formats ([`Linear::quantize`]), multiplied by candle's
+    /// quantized kernels: rows of x quantized to 8 bits, integer dot products.
+    Quantized(Arc<QTensor>),
+}
+
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self {
+            weight: Weight::Dense(weight),
+            bias,
+        }
     }
 
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// The weight, unless it has been quantized.
+    pub fn weight(&self) -> Option<&Tensor> {
+        match &self.weight {
+            Weight::Dense(w) => Some(w),
+            Weight::Quantized(_) => None,
+        }
     }
 
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
+    }
+
+    /// Bytes the weight occupies (blocks with their scales when quantized).
+    pub fn weight_bytes(&self) -> usize {
+        match &self.weight {
+            Weight::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Weight::Quantized(q) => q.storage_size_in_bytes(),
+        }
+    }
+
+    /// Stores the weight in the block format `q` (e.g. Q8_0: 32 weights and one f16 scale
+    /// per block), as llama.cpp's quantization does, and returns whether it did: a weight
+    /// whose rows are not whole blocks stays as it is.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<bool> {
+        let Weight::Dense(w) = &self.weight else {
+            return Ok(false);
+        };
+        if w.rank() != 2 || !w.dim(1)?.is_multiple_of(q.block_size()) {
+            return Ok(false);
+        }
+        self.weight = Weight::Quantized(Arc::new(QTensor::quantize(w, q)?));
+        Ok(true)
     }
 }
 
@@ -115,7 +154,20 @@ fn candle_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = matvec(x, &self.weight)?;
+        let y = match &self.weight {
+            Weight::Dense(w) => matvec(x, w)?,
+            // candle's CPU kernels take f32 rows (our activations on CPU, `activation_dtype`).
+            Weight::Quantized(q) => {
+                let dtype = x.dtype();
+                let x = match x.device().is_cpu() {
+                    true => x.to_dtype(DType::F32)?,
+                    false => x.clone(),
+                };
+                x.contiguous()?
+                    .apply_op1_no_bwd(q.as_ref())?
+                    .to_dtype(dtype)?
+            }
+        };
         match &self.bias {
             None => Ok(y),
             Some(bias) => y.broadcast_add(&bias.to_dtype(y.dtype())?),

@@ -3,6 +3,7 @@
 use super::linear::{linear_b, Linear};
 use super::moe::Moe;
 use crate::config::{MlpConfig, ModelConfig};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -21,6 +22,14 @@ impl SwiGlu {
             up_proj: linear_b(hidden, intermediate, bias, vb.pp("up_proj"))?,
             down_proj: linear_b(intermediate, hidden, bias, vb.pp("down_proj"))?,
         })
+    }
+
+    /// Quantizes the three projections (see [`Linear::quantize`]); returns the bytes saved.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+        quantize_all(
+            &mut [&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj],
+            q,
+        )
     }
 
     /// Builds an expert from weights already in memory (transformers' fused expert tensors).
@@ -56,6 +65,28 @@ impl Mlp {
             MlpConfig::Moe(moe) => Mlp::Moe(Moe::new(cfg.hidden_size, moe, vb)?),
         })
     }
+}
+
+impl Mlp {
+    /// Quantizes every projection (the MoE router stays in f32); returns the bytes saved.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+        match self {
+            Mlp::Dense(mlp) => mlp.quantize(q),
+            Mlp::Moe(moe) => moe.quantize(q),
+        }
+    }
+}
+
+/// Quantizes each of `linears` whose rows are whole blocks; returns the bytes saved.
+pub fn quantize_all(linears: &mut [&mut Linear], q: GgmlDType) -> Result<usize> {
+    let mut saved = 0;
+    for l in linears.iter_mut() {
+        let before = l.weight_bytes();
+        if l.quantize(q)? {
+            saved += before - l.weight_bytes();
+        }
+    }
+    Ok(saved)
 }
 
 impl Module for Mlp {

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use attention::causal_mask;
 use block::DecoderLayer;
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, Embedding, RmsNorm, VarBuilder};
 use linear::Linear;
@@ -56,15 +57,37 @@ pub struct Transformer {
     lm_head: Linear,
     rope: Rope,
     cfg: ModelConfig,
+    /// The block format of the layers' projections, and the bytes it saved against the
+    /// dense weights; `None` when they are dense.
+    quantized: Option<(GgmlDType, usize)>,
 }
 
 impl Transformer {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_quantized(cfg, vb, None)
+    }
+
+    /// The model with each layer's projections in the block format `quant` (Q8_0, Q4_0, ...),
+    /// quantized layer by layer as they load, so the dense weights of only one layer are in
+    /// memory at a time. Embeddings, norms and the LM head keep `vb`'s dtype, as in
+    /// llama.cpp's default quantization mixes. A projection whose rows are not whole blocks
+    /// stays dense.
+    pub fn new_quantized(
+        cfg: &ModelConfig,
+        vb: VarBuilder,
+        quant: Option<GgmlDType>,
+    ) -> Result<Self> {
         let vb_m = vb.pp("model");
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i)))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut saved = 0;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let mut layer = DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i))?;
+            if let Some(q) = quant {
+                saved += layer.quantize(q)?;
+            }
+            layers.push(layer);
+        }
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(embed_tokens.embeddings().clone(), None)
         } else {
@@ -79,7 +102,18 @@ impl Transformer {
             lm_head,
             rope,
             cfg: cfg.clone(),
+            quantized: quant.map(|q| (q, saved)),
         })
+    }
+
+    /// The block format of the layers' projections, if quantized.
+    pub fn quantization(&self) -> Option<GgmlDType> {
+        self.quantized.map(|(q, _)| q)
+    }
+
+    /// Bytes quantization saved against the dense weights (0 when dense).
+    pub fn quantization_saved_bytes(&self) -> usize {
+        self.quantized.map_or(0, |(_, saved)| saved)
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -3,6 +3,7 @@
 
 use super::mlp::SwiGlu;
 use crate::config::{MoeConfig, Router};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -18,6 +19,15 @@ pub struct Moe {
 }
 
 impl Moe {
+    /// Quantizes the experts (the router stays in f32); returns the bytes saved.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+        let mut saved = 0;
+        for e in self.experts.iter_mut().chain(self.shared_experts.as_mut()) {
+            saved += e.quantize(q)?;
+        }
+        Ok(saved)
+    }
+
     pub fn new(hidden: usize, cfg: &MoeConfig, vb: VarBuilder) -> Result<Self> {
         let (n, inter) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         // The router runs in f32 (as in transformers); convert its weights once, here.

@@ -5,8 +5,10 @@ use super::sdpa;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::{linear_b, Linear};
+use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
+use candle_core::quantized::GgmlDType;
 use candle_core::{Error, Module, Result, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
 
@@ -53,6 +55,17 @@ impl GqaAttention {
             num_kv_heads,
             head_dim,
         })
+    }
+
+    /// Quantizes the four projections; returns the bytes saved.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+        let (qp, kp, vp, op) = (
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+        );
+        quantize_all(&mut [qp, kp, vp, op], q)
     }
 
     pub fn forward(

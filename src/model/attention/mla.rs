@@ -15,8 +15,10 @@ use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
+use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
+use candle_core::quantized::GgmlDType;
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{RmsNorm, VarBuilder};
 
@@ -77,7 +79,10 @@ impl MlaAttention {
         let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
         // Split kv_b_proj at load (rows of head i are [W_UK_i; W_UV_i]) and drop it.
         let kv_b_proj = linear_no_bias(r, h * (nope + v), vb.pp("kv_b_proj"))?;
-        let w = kv_b_proj.weight().reshape((h, nope + v, r))?;
+        let w = kv_b_proj
+            .weight()
+            .ok_or_else(|| Error::Msg("kv_b_proj is quantized".into()))?;
+        let w = w.reshape((h, nope + v, r))?;
         let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // (H, nope, r)
         let w_uv = w.narrow(1, nope, v)?.contiguous()?; // (H, v, r)
         Ok(Self {
@@ -95,6 +100,19 @@ impl MlaAttention {
             num_heads: h,
             cfg: m.clone(),
         })
+    }
+
+    /// Quantizes the projections; the up-projections W_UK and W_UV stay as they are (the
+    /// absorbed decode multiplies them per head). Returns the bytes saved.
+    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+        let mut linears = vec![&mut self.kv_a_proj_with_mqa, &mut self.o_proj];
+        match &mut self.query {
+            QueryProj::Direct { q_proj } => linears.push(q_proj),
+            QueryProj::LowRank {
+                q_a_proj, q_b_proj, ..
+            } => linears.extend([q_a_proj, q_b_proj]),
+        }
+        quantize_all(&mut linears, q)
     }
 
     /// One new token takes the absorbed form, a prompt the expanded one. With a

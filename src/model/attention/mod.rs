@@ -28,6 +28,14 @@ impl Attention {
         })
     }
 
+    /// Quantizes the layer's projections; returns the bytes saved.
+    pub fn quantize(&mut self, q: candle_core::quantized::GgmlDType) -> Result<usize> {
+        match self {
+            Attention::Gqa(a) => a.quantize(q),
+            Attention::Mla(a) => a.quantize(q),
+        }
+    }
+
     /// x: (B, T, C) at positions `pos..pos + T`; `mask` is `None` for a single new token.
     pub fn forward(
         &self,
