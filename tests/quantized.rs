@@ -109,18 +109,33 @@ fn smollm2_quantized_perplexity_stays_near_f32() {
         q4 - f32 < 0.3 && q4 > q8 - 0.01,
         "q4_0 {q4} vs f32 {f32}, q8_0 {q8}"
     );
-    let g = run_json(&[
-        "generate",
-        "-m",
-        m,
-        "--dtype",
-        "q8_0",
-        "-p",
-        "What is the capital of France?",
-        "-t",
-        "0",
-        "-n",
-        "16",
-    ]);
-    assert!(g["text"].as_str().unwrap().contains("Paris"), "{g}");
+    // (No greedy text here: on "What is the capital of France?" f32's first token "The" leads
+    // "L" by 0.08 logits, a margin Q8_0's rounding may flip; the NLL is the measure.)
+}
+
+/// Our Q8_0/Q4_0 kernels against candle's quantized matmul on the same weights: the weights
+/// quantize the same way (ggml's reference), so only the activations' scales differ (ours
+/// f32, candle's f16).
+#[test]
+fn our_block_products_match_candles() {
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 1.0, (64, 576), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (2, 576), &dev).unwrap();
+    for q in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let mut ours = Linear::new(w.clone(), None);
+        ours.quantize(q).unwrap();
+        let ours = ours.forward(&x).unwrap();
+        let theirs = candle_core::quantized::QTensor::quantize(&w, q).unwrap();
+        let theirs = x.apply_op1_no_bwd(&theirs).unwrap();
+        let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = theirs.abs().unwrap().max_all().unwrap();
+        let (diff, scale) = (
+            diff.to_scalar::<f32>().unwrap(),
+            scale.to_scalar::<f32>().unwrap(),
+        );
+        assert!(
+            diff < 2e-3 * scale,
+            "{q:?}: max diff {diff} (outputs up to {scale})"
+        );
+    }
 }

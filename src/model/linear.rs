@@ -10,11 +10,13 @@
 
 pub mod matvec;
 pub mod prefill;
+pub mod quant;
 pub mod simd;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
+use quant::{Format, QWeight};
 use simd::Isa;
 use std::sync::Arc;
 
@@ -30,8 +32,9 @@ enum Weight {
     /// (out_features, in_features), as in the checkpoint. The fast path needs it contiguous
     /// (it is, as loaded); a strided weight silently takes candle's matmul instead.
     Dense(Tensor),
-    /// In one of ggml's block formats ([`Linear::quantize`]), multiplied by candle's
-    /// quantized kernels: rows of x quantized to 8 bits, integer dot products.
+    /// In Q8_0 or Q4_0 on CPU ([`Linear::quantize`]), multiplied by our kernels ([`quant`]).
+    Blocks(Arc<QWeight>),
+    /// In one of ggml's block formats on other devices, multiplied by candle's kernels.
     Quantized(Arc<QTensor>),
 }
 
@@ -47,7 +50,7 @@ impl Linear {
     pub fn weight(&self) -> Option<&Tensor> {
         match &self.weight {
             Weight::Dense(w) => Some(w),
-            Weight::Quantized(_) => None,
+            Weight::Blocks(_) | Weight::Quantized(_) => None,
         }
     }
 
@@ -59,6 +62,7 @@ impl Linear {
     pub fn weight_bytes(&self) -> usize {
         match &self.weight {
             Weight::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Weight::Blocks(q) => q.bytes(),
             Weight::Quantized(q) => q.storage_size_in_bytes(),
         }
     }
@@ -73,7 +77,21 @@ impl Linear {
         if w.rank() != 2 || !w.dim(1)?.is_multiple_of(q.block_size()) {
             return Ok(false);
         }
-        self.weight = Weight::Quantized(Arc::new(QTensor::quantize(w, q)?));
+        let format = match q {
+            GgmlDType::Q8_0 => Some(Format::Q8_0),
+            GgmlDType::Q4_0 => Some(Format::Q4_0),
+            _ => None,
+        };
+        self.weight = match format {
+            Some(format) if w.device().is_cpu() => {
+                let cols = w.dim(1)?;
+                let data = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let blocks = QWeight::quantize(format, &data, cols)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("cannot quantize {w:?}")))?;
+                Weight::Blocks(Arc::new(blocks))
+            }
+            _ => Weight::Quantized(Arc::new(QTensor::quantize(w, q)?)),
+        };
         Ok(true)
     }
 }
@@ -156,6 +174,24 @@ impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Weight::Dense(w) => matvec(x, w)?,
+            Weight::Blocks(q) => {
+                if x.dims().last() != Some(&q.cols) {
+                    return Err(candle_core::Error::Msg(format!(
+                        "quantized linear: x {:?} is not rows of width {}",
+                        x.shape(),
+                        q.cols
+                    )));
+                }
+                let dtype = x.dtype();
+                let mut dims = x.dims().to_vec();
+                let x = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let mut y = vec![0f32; x.len() / q.cols * q.rows];
+                q.product(&x, &mut y);
+                if let Some(last) = dims.last_mut() {
+                    *last = q.rows;
+                }
+                Tensor::from_vec(y, dims, &candle_core::Device::Cpu)?.to_dtype(dtype)?
+            }
             // candle's CPU kernels take f32 rows (our activations on CPU, `activation_dtype`).
             Weight::Quantized(q) => {
                 let dtype = x.dtype();
