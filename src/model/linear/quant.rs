@@ -124,11 +124,18 @@ impl QWeight {
         let out = &out;
         pool.run(self.rows.div_ceil(rows), &|c| {
             let (r0, r1) = (c * rows, ((c + 1) * rows).min(self.rows));
+            // SAFETY (the writes): chunk c alone writes columns r0..r1 of y (M rows).
+            let put = |i: usize, r: usize, v: f32| unsafe { *out.0.add(i * self.rows + r) = v };
             for r in r0..r1 {
-                for i in 0..m {
-                    let v = simd::dot(self, r, &xq, i);
-                    // SAFETY: chunk c alone writes columns r0..r1 of y, and y holds M rows.
-                    unsafe { *out.0.add(i * self.rows + r) = v };
+                let mut i = 0;
+                while i + 4 <= m {
+                    for (j, v) in simd::dot4(self, r, &xq, i).into_iter().enumerate() {
+                        put(i + j, r, v);
+                    }
+                    i += 4;
+                }
+                for i in i..m {
+                    put(i, r, simd::dot(self, r, &xq, i));
                 }
             }
         });
@@ -202,7 +209,7 @@ mod tests {
     /// for both formats, several rows of x and a ragged pool split.
     #[test]
     fn product_equals_the_dequantized_integer_dot() {
-        let (rows, cols, m) = (37, 96, 3);
+        let (rows, cols, m) = (37, 96, 7);
         let (w, x) = (data(rows * cols, 1), data(m * cols, 2));
         for format in [Format::Q8_0, Format::Q4_0] {
             let q = QWeight::quantize(format, &w, cols).unwrap();

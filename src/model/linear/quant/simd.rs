@@ -17,6 +17,20 @@ pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     scalar(w, r, x, i)
 }
 
+/// [`dot`] for rows `i0..i0 + 4` of x: each weight block is loaded (and its nibbles
+/// unpacked) once for the four.
+pub fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::model::linear::simd::{Isa, IsaKind};
+        if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
+            // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
+            return unsafe { x86::dot4(w, r, x, i0) };
+        }
+    }
+    std::array::from_fn(|j| scalar(w, r, x, i0 + j))
+}
+
 fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     let blocks = w.cols / BLOCK;
     (0..blocks)
@@ -49,6 +63,53 @@ mod x86 {
     use super::{Format, QRows, QWeight, BLOCK};
     use std::arch::x86_64::*;
 
+    /// Block `b` of weight row `r` as 32 signed bytes.
+    ///
+    /// # Safety
+    /// AVX2; block b of row r exists.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn weights(w: &QWeight, r: usize, b: usize) -> __m256i {
+        let blocks = w.cols / BLOCK;
+        match w.format {
+            // SAFETY: block b of weight row r is 32 bytes of quants.
+            Format::Q8_0 => unsafe {
+                _mm256_loadu_si256(w.quants.as_ptr().add((r * blocks + b) * BLOCK) as *const __m256i)
+            },
+            // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
+            Format::Q4_0 => unsafe {
+                let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
+                let v = _mm_loadu_si128(p as *const __m128i);
+                let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+                let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+                _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
+            },
+        }
+    }
+
+    /// `acc + d · Σ w·x` over one block, as 8 partial sums: llama.cpp's mul_sum_i8_pairs,
+    /// |w| times sign(w)·x as unsigned × signed pairs, summed to 16 then 32 bits.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn block(wv: __m256i, xv: __m256i, d: f32, acc: __m256) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), acc)
+    }
+
+    /// Block `b` of row `i` of x.
+    ///
+    /// # Safety
+    /// AVX2; the block exists.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn activations(x: &QRows, i: usize, b: usize) -> __m256i {
+        // SAFETY: the caller's bounds: 32 bytes at row i, block b.
+        unsafe {
+            _mm256_loadu_si256(x.quants.as_ptr().add(i * x.cols + b * BLOCK) as *const __m256i)
+        }
+    }
+
     /// # Safety
     /// AVX2 and FMA; `r` and `i` are rows of `w` and `x`, which have the same width.
     #[target_feature(enable = "avx2,fma")]
@@ -56,38 +117,39 @@ mod x86 {
         let blocks = w.cols / BLOCK;
         debug_assert_eq!(x.cols, w.cols);
         let mut acc = _mm256_setzero_ps();
-        let xq = x.quants[i * w.cols..(i + 1) * w.cols].as_ptr();
-        let xd = &x.scales[i * blocks..(i + 1) * blocks];
-        let wd = &w.scales[r * blocks..(r + 1) * blocks];
         for b in 0..blocks {
-            // SAFETY: block b of row i of x is 32 readable bytes.
-            let xv = unsafe { _mm256_loadu_si256(xq.add(b * BLOCK) as *const __m256i) };
-            let wv = match w.format {
-                // SAFETY: block b of weight row r is 32 bytes of quants.
-                Format::Q8_0 => unsafe {
-                    _mm256_loadu_si256(
-                        w.quants.as_ptr().add((r * blocks + b) * BLOCK) as *const __m256i
-                    )
-                },
-                // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
-                Format::Q4_0 => unsafe {
-                    let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
-                    let v = _mm_loadu_si128(p as *const __m128i);
-                    let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                    let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-                    _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
-                },
-            };
-            // llama.cpp's mul_sum_i8_pairs: |w| · sign(w)·x as unsigned × signed pairs,
-            // summed to 16 then 32 bits.
-            let ax = _mm256_sign_epi8(wv, wv);
-            let sy = _mm256_sign_epi8(xv, wv);
-            let pairs = _mm256_maddubs_epi16(ax, sy);
-            let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-            let d = _mm256_set1_ps(wd[b].to_f32() * xd[b]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc);
+            let d = w.scales[r * blocks + b].to_f32() * x.scales[i * blocks + b];
+            // SAFETY: block b of row r of w and of row i of x exist.
+            let (wv, xv) = unsafe { (weights(w, r, b), activations(x, i, b)) };
+            acc = block(wv, xv, d, acc);
         }
-        // Horizontal sum of the 8 lanes.
+        hsum(acc)
+    }
+
+    /// # Safety
+    /// As [`dot`], for rows `i0..i0 + 4` of x.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+        let blocks = w.cols / BLOCK;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..blocks {
+            let dw = w.scales[r * blocks + b].to_f32();
+            // SAFETY: block b of row r of w exists.
+            let wv = unsafe { weights(w, r, b) };
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let i = i0 + j;
+                // SAFETY: row i of x exists (the caller's bound).
+                let xv = unsafe { activations(x, i, b) };
+                *acc = block(wv, xv, dw * x.scales[i * blocks + b], *acc);
+            }
+        }
+        acc.map(|a| hsum(a))
+    }
+
+    /// The sum of the 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(acc: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
