@@ -36,7 +36,7 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     (0..blocks)
         .map(|b| {
             let (wb, xb) = (r * blocks + b, i * blocks + b);
-            let xs = &x.quants[xb * BLOCK..(xb + 1) * BLOCK];
+            let xs = &x.quants[i * x.cols + b * BLOCK..][..BLOCK];
             let sum: i32 = match w.format {
                 Format::Q8_0 => w.quants[wb * BLOCK..(wb + 1) * BLOCK]
                     .iter()
