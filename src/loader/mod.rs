@@ -3,11 +3,12 @@
 //! which become a validated config, memory-mapped weights at the chosen dtype, a tokenizer
 //! and what the checkpoint's own files say about using it ([`meta`]). Quantized or exotic
 //! checkpoints are refused from their config and safetensors headers before any weight is
-//! read ([`headers`]).
+//! read ([`headers`]). A GGUF file gives the same from one file ([`gguf`]).
 
 pub mod bundled;
 mod dtype;
 mod files;
+pub mod gguf;
 pub mod headers;
 mod hub;
 pub mod meta;
@@ -27,16 +28,22 @@ use headers::TensorInfo;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
-/// What `--model` names: checkpoint files, or a model compiled into the binary.
+/// What `--model` names: checkpoint files, a GGUF file, or a model compiled into the binary.
 pub enum Source {
     Files(ModelFiles),
+    Gguf(gguf::GgufFile),
     Bundled(&'static bundled::Bundled),
 }
 
-/// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...); a directory of
-/// that name wins over the bundled model.
+/// A directory, a GGUF file, a hub id, or the name of a bundled model (`tiny-gqa`, ...); a
+/// directory of that name wins over the bundled model. A GGUF file is opened here (metadata
+/// and tensor table only).
 pub fn open(model: &str) -> Result<Source> {
-    match (Path::new(model).exists(), bundled::find(model)) {
+    let path = Path::new(model);
+    if path.is_file() && gguf::is_gguf(path) {
+        return gguf::GgufFile::open(path).map(Source::Gguf);
+    }
+    match (path.exists(), bundled::find(model)) {
         (false, Some(b)) => Ok(Source::Bundled(b)),
         _ => resolve(model).map(Source::Files),
     }
@@ -46,6 +53,7 @@ impl Source {
     pub fn load(&self, dtype: DTypeArg, device: &Device) -> Result<Loaded> {
         match self {
             Source::Files(files) => load(files, dtype, device),
+            Source::Gguf(file) => file.load(dtype, device),
             Source::Bundled(b) => load_bundled(b, dtype, device),
         }
     }
@@ -58,6 +66,7 @@ impl Source {
                 headers::read_checked(&files.weights)?,
             ),
             Source::Bundled(b) => (bundled_config(b)?, bundled_headers(b)?),
+            Source::Gguf(file) => return file.describe(dtype, device),
         };
         let cfg = hf.validate()?;
         let checkpoint_dtype = headers::main_float_dtype(&tensors);

@@ -172,19 +172,21 @@ pub fn run_json(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// SmolLM2's directory `target/models/<name>` (scripts/build_smollm2.sh), or under `$TINY_DECODER_SMOLLM2` when set.
-pub fn checkpoint(name: &str) -> Option<PathBuf> {
-    let root = match std::env::var_os("TINY_DECODER_SMOLLM2") {
+/// Where SmolLM2's files are built: `target/models` (scripts/build_smollm2.sh), or
+/// `$TINY_DECODER_SMOLLM2` when set.
+fn models_root() -> PathBuf {
+    match std::env::var_os("TINY_DECODER_SMOLLM2") {
         Some(dir) => PathBuf::from(dir),
         None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/models"),
-    };
-    let dir = root.join(name);
-    if dir.join(".complete").is_file() {
-        return Some(dir);
     }
+}
+
+/// Says on stderr that a test skips because `path` is not built, or fails when
+/// TINY_DECODER_REQUIRE_SMOLLM2 is set.
+fn skip(path: &Path) {
     let msg = format!(
         "SKIPPED: {} is not built (run scripts/build_smollm2.sh)",
-        dir.display()
+        path.display()
     );
     assert!(
         std::env::var_os("TINY_DECODER_REQUIRE_SMOLLM2").is_none(),
@@ -192,5 +194,25 @@ pub fn checkpoint(name: &str) -> Option<PathBuf> {
     );
     // Straight to the stderr handle: libtest captures eprintln!, and a skip must show.
     let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
+/// SmolLM2's directory `target/models/<name>` (scripts/build_smollm2.sh), or under `$TINY_DECODER_SMOLLM2` when set.
+pub fn checkpoint(name: &str) -> Option<PathBuf> {
+    let dir = models_root().join(name);
+    if dir.join(".complete").is_file() {
+        return Some(dir);
+    }
+    skip(&dir);
+    None
+}
+
+/// A single file beside the SmolLM2 directories (the GGUF they were built from), with the
+/// same skip/require rule as [`checkpoint`].
+pub fn checkpoint_file(name: &str) -> Option<PathBuf> {
+    let path = models_root().join(name);
+    if path.is_file() {
+        return Some(path);
+    }
+    skip(&path);
     None
 }
