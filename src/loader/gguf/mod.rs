@@ -16,6 +16,7 @@ mod tokenizer;
 pub use config::Arch;
 pub use tensors::{gguf_name, hf_name};
 
+use super::headers::TensorInfo;
 use super::{meta, DTypeArg, Description, GenerationConfig, Loaded, TextTokenizer};
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::{candle_message, Error, Result};
@@ -191,9 +192,29 @@ impl GgufFile {
     pub fn describe(&self, dtype: DTypeArg, device: &Device) -> Result<Description> {
         let (_, cfg) = self.config()?;
         let checkpoint_dtype = self.stored_dtype();
+        let run = dtype.resolve(None, checkpoint_dtype, device);
+        let num_parameters = self.num_parameters();
+        // The projections `--dtype q8_0|q4_0` would quantize, by their Hugging Face names.
+        let saved = match dtype.quantization() {
+            Some(q) => {
+                let infos: Vec<TensorInfo> = (self.content.tensor_infos.iter())
+                    .filter_map(|(n, t)| {
+                        Some(TensorInfo {
+                            name: hf_name(n)?,
+                            dtype: String::new(),
+                            shape: t.shape.dims().to_vec(),
+                        })
+                    })
+                    .collect();
+                super::headers::quantization_saved_bytes(&infos, run, q)
+            }
+            None => 0,
+        };
         Ok(Description {
-            num_parameters: self.num_parameters(),
-            dtype: dtype.resolve(None, checkpoint_dtype, device),
+            num_parameters,
+            weight_bytes: num_parameters * run.size_in_bytes() - saved,
+            dtype: run,
+            quantization: dtype.quantization(),
             checkpoint_dtype,
             cfg,
         })
@@ -208,9 +229,11 @@ impl GgufFile {
         let tok = built.as_ref().map(|(t, _)| t);
         cfg.eos_token_ids = meta::stop_ids(&generation, &cfg.eos_token_ids, &tokenizer_meta, tok);
         let checkpoint_dtype = self.stored_dtype();
+        let dtype_arg = dtype;
         let dtype = dtype.resolve(None, checkpoint_dtype, device);
         let tensors = Box::new(self.tensors(&cfg));
-        let (model, num_parameters) = super::weights::build(&cfg, tensors, dtype, device)
+        let quant = dtype_arg.quantization();
+        let (model, num_parameters) = super::weights::build(&cfg, tensors, dtype, quant, device)
             .map_err(|e| Error::Weights(format!("{}: {e}", self.path.display())))?;
         let tokenizer = match built {
             Some((t, m)) => {
