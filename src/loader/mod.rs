@@ -72,18 +72,14 @@ impl Source {
         let checkpoint_dtype = headers::main_float_dtype(&tensors);
         let run = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
         let num_parameters = headers::count_parameters(&tensors, cfg.tie_word_embeddings);
-        let saved = match dtype.quantization() {
-            Some(q) => headers::quantization_saved_bytes(&tensors, run, q),
-            None => 0,
-        };
-        Ok(Description {
-            num_parameters,
-            weight_bytes: num_parameters * run.size_in_bytes() - saved,
-            dtype: run,
-            quantization: dtype.quantization(),
-            checkpoint_dtype,
+        let ran = (dtype, run);
+        Ok(Description::new(
             cfg,
-        })
+            &tensors,
+            num_parameters,
+            ran,
+            checkpoint_dtype,
+        ))
     }
 }
 
@@ -99,6 +95,31 @@ pub struct Description {
     /// The block format of the layers' projections with `--dtype q8_0|q4_0`.
     pub quantization: Option<GgmlDType>,
     pub checkpoint_dtype: Option<DType>,
+}
+
+impl Description {
+    /// `tensors` (by their Hugging Face names) run at `dtype` resolved to `run`: the bytes
+    /// count quantized projections in blocks, by the rule the loader applies.
+    fn new(
+        cfg: ModelConfig,
+        tensors: &[TensorInfo],
+        num_parameters: usize,
+        (dtype, run): (DTypeArg, DType),
+        checkpoint_dtype: Option<DType>,
+    ) -> Self {
+        let saved = match dtype.quantization() {
+            Some(q) => headers::quantization_saved_bytes(tensors, run, q),
+            None => 0,
+        };
+        Self {
+            num_parameters,
+            weight_bytes: num_parameters * run.size_in_bytes() - saved,
+            dtype: run,
+            quantization: dtype.quantization(),
+            checkpoint_dtype,
+            cfg,
+        }
+    }
 }
 
 /// A loaded model with what the CLI reports about it.

@@ -193,31 +193,24 @@ impl GgufFile {
         let (_, cfg) = self.config()?;
         let checkpoint_dtype = self.stored_dtype();
         let run = dtype.resolve(None, checkpoint_dtype, device);
-        let num_parameters = self.num_parameters();
-        // The projections `--dtype q8_0|q4_0` would quantize, by their Hugging Face names.
-        let saved = match dtype.quantization() {
-            Some(q) => {
-                let infos: Vec<TensorInfo> = (self.content.tensor_infos.iter())
-                    .filter_map(|(n, t)| {
-                        Some(TensorInfo {
-                            name: hf_name(n)?,
-                            dtype: String::new(),
-                            shape: t.shape.dims().to_vec(),
-                        })
-                    })
-                    .collect();
-                super::headers::quantization_saved_bytes(&infos, run, q)
-            }
-            None => 0,
-        };
-        Ok(Description {
-            num_parameters,
-            weight_bytes: num_parameters * run.size_in_bytes() - saved,
-            dtype: run,
-            quantization: dtype.quantization(),
-            checkpoint_dtype,
+        // The tensor table by Hugging Face names, as a checkpoint's headers would list it.
+        let infos: Vec<TensorInfo> = (self.content.tensor_infos.iter())
+            .filter_map(|(n, t)| {
+                Some(TensorInfo {
+                    name: hf_name(n)?,
+                    dtype: String::new(),
+                    shape: t.shape.dims().to_vec(),
+                })
+            })
+            .collect();
+        let n = self.num_parameters();
+        Ok(Description::new(
             cfg,
-        })
+            &infos,
+            n,
+            (dtype, run),
+            checkpoint_dtype,
+        ))
     }
 
     /// The model, its tokenizer and what the file says about using them.
