@@ -73,9 +73,24 @@ fn avx2_takes_rows_and_the_decode_op() {
 }
 
 #[test]
+fn neon_takes_rows_and_the_decode_op() {
+    if Isa::new(IsaKind::Neon).is_none() {
+        return; // covered by the fallback test below
+    }
+    let (out, err) = child("neon");
+    assert!(out.contains("isa=Neon"), "{out}");
+    assert!(
+        out.contains("1 rows: Kernel") && out.contains("4 rows: Kernel"),
+        "{out}"
+    );
+    assert!(out.contains("decode op: true"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+}
+
+#[test]
 fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
     let best = format!("isa={:?}", Isa::detect().kind());
-    for value in ["avx512", "avx2"] {
+    for value in ["avx512", "avx2", "neon"] {
         let (out, err) = child(value);
         let kind = Isa::from_name(value).map(|isa| isa.kind());
         match kind {
@@ -91,13 +106,13 @@ fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
 
 #[test]
 fn an_unknown_name_warns_once_and_falls_back() {
-    let (out, err) = child("neon");
+    let (out, err) = child("sse9");
     assert!(
         out.contains(&format!("isa={:?}", Isa::detect().kind())),
         "{out}"
     );
     let want = format!(
-        "warning: {ISA_VAR}=\"neon\" is not one of avx512, avx2, scalar; using {}",
+        "warning: {ISA_VAR}=\"sse9\" is not one of avx512, avx2, neon, scalar; using {}",
         detected()
     );
     assert_eq!(warnings(&err), [want.as_str()]);

@@ -40,14 +40,24 @@ fn cpu_has(kind: IsaKind) -> bool {
     );
     #[cfg(not(target_arch = "x86_64"))]
     let (avx2, avx512) = (false, false);
+    #[cfg(target_arch = "aarch64")]
+    let neon = std::arch::is_aarch64_feature_detected!("neon");
+    #[cfg(not(target_arch = "aarch64"))]
+    let neon = false;
     match kind {
         IsaKind::Avx512 => avx512,
         IsaKind::Avx2 => avx2,
+        IsaKind::Neon => neon,
         IsaKind::Scalar => true,
     }
 }
 
-const KINDS: [IsaKind; 3] = [IsaKind::Scalar, IsaKind::Avx2, IsaKind::Avx512];
+const KINDS: [IsaKind; 4] = [
+    IsaKind::Scalar,
+    IsaKind::Neon,
+    IsaKind::Avx2,
+    IsaKind::Avx512,
+];
 
 #[test]
 fn safe_code_cannot_make_an_isa_this_cpu_lacks() {
@@ -66,7 +76,11 @@ fn safe_code_cannot_make_an_isa_this_cpu_lacks() {
 
 #[test]
 fn isa_names_are_checked_against_the_cpu() {
-    for (name, kind) in [("avx512", IsaKind::Avx512), ("AVX2", IsaKind::Avx2)] {
+    for (name, kind) in [
+        ("avx512", IsaKind::Avx512),
+        ("AVX2", IsaKind::Avx2),
+        ("neon", IsaKind::Neon),
+    ] {
         match Isa::from_name(name) {
             Ok(isa) => assert!(cpu_has(kind) && isa.kind() == kind, "{name}"),
             Err(e) => {
@@ -79,7 +93,7 @@ fn isa_names_are_checked_against_the_cpu() {
     let e = Isa::from_name("sse9").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avx2, scalar"
+        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avx2, neon, scalar"
     );
 }
 
@@ -99,9 +113,12 @@ fn linear_routes_by_instruction_set() -> candle_core::Result<()> {
         assert_eq!(route(avx2, &one, &w), Route::Kernel);
         assert_eq!(route(avx2, &four, &w), Route::Kernel);
     }
-    if let Some(avx512) = Isa::new(IsaKind::Avx512) {
-        assert_eq!(route(avx512, &one, &w), Route::Kernel);
-        assert_eq!(route(avx512, &four, &w), Route::Kernel);
+    // A tile of 4 × 4 in registers takes several rows.
+    for kind in [IsaKind::Avx512, IsaKind::Neon] {
+        if let Some(isa) = Isa::new(kind) {
+            assert_eq!(route(isa, &one, &w), Route::Kernel);
+            assert_eq!(route(isa, &four, &w), Route::Kernel);
+        }
     }
     Ok(())
 }

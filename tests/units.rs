@@ -211,13 +211,15 @@ fn grouped_sdpa_equals_per_head_reference() {
 
 /// One new token over a cache view (a narrowed, longer buffer), long enough for several of
 /// the decode op's blocks, in f32 and bf16, against the per-head reference in f32: through
-/// `sdpa` (which must pick the op on AVX2 and AVX-512) and through the op itself.
+/// `sdpa` (which must pick the op on AVX2, AVX-512 and NEON) and through the op itself.
 #[test]
 fn decode_attention_over_cache_views_equals_reference() {
     let dev = Device::Cpu;
     #[cfg(target_arch = "x86_64")]
     let vector = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    let vector = true; // NEON is aarch64's baseline
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let vector = false;
     for (h, g, s, dk, dv) in [(6, 2, 600, 40, 24), (4, 4, 1, 16, 16), (9, 3, 257, 64, 64)] {
         let q = Tensor::randn(0f32, 1.0, (1, h, 1, dk), &dev).unwrap();

@@ -26,12 +26,15 @@ pub struct DecodeAttention {
     pub scale: f32,
 }
 
-/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512 or AVX2 + FMA, the
-/// sets [`accumulate`] has a vector form for. Elsewhere candle's ops stay.
+/// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512, AVX2 + FMA or NEON,
+/// the sets [`accumulate`] has a vector form for. Elsewhere candle's ops stay.
 pub fn takes(q: &candle_core::Tensor) -> bool {
     q.device().is_cpu()
         && matches!(q.dtype(), DType::F32 | DType::BF16)
-        && matches!(Isa::current().kind(), IsaKind::Avx512 | IsaKind::Avx2)
+        && matches!(
+            Isa::current().kind(),
+            IsaKind::Avx512 | IsaKind::Avx2 | IsaKind::Neon
+        )
 }
 
 /// One (batch, K/V head, block) result: per query head of the group, the max score, the sum
@@ -59,6 +62,9 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str) -> Result<usize> {
 trait Cached: Copy + Sync {
     fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: &mut [f32]);
     fn widen(self) -> f32;
+    /// [`accumulate`] on NEON for this element type (`arm`).
+    #[cfg(target_arch = "aarch64")]
+    fn accumulate_neon(p: &[f32], v: &[Self], dv: usize, acc: &mut [f32]);
 }
 
 impl Cached for f32 {
@@ -69,6 +75,11 @@ impl Cached for f32 {
     fn widen(self) -> f32 {
         self
     }
+    #[cfg(target_arch = "aarch64")]
+    fn accumulate_neon(p: &[f32], v: &[f32], dv: usize, acc: &mut [f32]) {
+        // SAFETY: NEON is in every aarch64 CPU (and `Isa` has asked this one).
+        unsafe { arm::accumulate(p, v, dv, acc) }
+    }
 }
 
 impl Cached for u16 {
@@ -78,6 +89,11 @@ impl Cached for u16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
+    }
+    #[cfg(target_arch = "aarch64")]
+    fn accumulate_neon(p: &[f32], v: &[u16], dv: usize, acc: &mut [f32]) {
+        // SAFETY: as for f32.
+        unsafe { arm::accumulate(p, v, dv, acc) }
     }
 }
 
@@ -91,6 +107,8 @@ fn accumulate<T: Cached>(isa: Isa, p: &[f32], v: &[T], dv: usize, acc: &mut [f32
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, an `Isa` of this kind exists only with AVX2 and FMA.
         IsaKind::Avx2 => unsafe { accumulate_avx2(p, v, dv, acc) },
+        #[cfg(target_arch = "aarch64")]
+        IsaKind::Neon => T::accumulate_neon(p, v, dv, acc),
         _ => accumulate_plain(p, v, dv, acc),
     }
 }
@@ -276,6 +294,9 @@ impl CustomOp3 for DecodeAttention {
         })
     }
 }
+
+#[cfg(target_arch = "aarch64")]
+mod arm;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

@@ -1,10 +1,11 @@
 //! Kernels for `y[m, r] = Σ_k x[m, k] · W[r, k]` over a slice of the rows of `W` (row-major,
 //! width `k`) and one or more rows of `x`, with f32 weights or bf16 weights (raw `u16` bits,
-//! widened to f32 in registers). Three instruction sets, chosen once at run time ([`Isa`],
-//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA ([`x86`]), and a
-//! portable scalar loop, the tests' reference. Accumulation is always in f32. Weights are
-//! prefetched ahead of the loads; on AVX-512 a tile of 4 weight rows × 4 rows of x stays in
-//! registers, so a prompt chunk reads each weight row once.
+//! widened to f32 in registers). Four instruction sets, chosen once at run time ([`Isa`],
+//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA ([`x86`]), NEON on
+//! aarch64 (`arm`), and a portable scalar loop, the tests' reference. Accumulation is always
+//! in f32. Weights are prefetched ahead of the loads; on AVX-512 and NEON (32 registers) a
+//! tile of 4 weight rows × 4 rows of x stays in registers, so a prompt chunk reads each
+//! weight row once.
 //!
 //! bf16 weights are read in pairs: a 32-bit lane holding `W[r, 2i]` (low half) and
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
@@ -12,13 +13,15 @@
 //! values, then its odd-indexed ones, split once per product instead of once per row.
 
 /// The environment variable that forces a lower instruction set than the CPU's best:
-/// `avx512`, `avx2` or `scalar`.
+/// `avx512`, `avx2`, `neon` or `scalar`.
 pub const ISA_VAR: &str = "TINY_DECODER_ISA";
 
-/// The instruction sets there are kernels for, weakest first.
+/// The instruction sets there are kernels for, weakest first (NEON, on aarch64 only, is
+/// never compared with the x86 sets: a CPU has one or the others).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum IsaKind {
     Scalar,
+    Neon,
     Avx2,
     Avx512,
 }
@@ -37,7 +40,7 @@ pub struct Isa(IsaKind);
 /// Why [`ISA_VAR`] could not be followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ISA_VAR}={0:?} is not one of avx512, avx2, scalar")]
+    #[error("{ISA_VAR}={0:?} is not one of avx512, avx2, neon, scalar")]
     Unknown(String),
     #[error("{ISA_VAR}={0}: this CPU does not support it")]
     Unsupported(String),
@@ -63,17 +66,23 @@ impl Isa {
 
     /// Every set this CPU supports, weakest first.
     pub fn supported() -> Vec<Isa> {
-        [IsaKind::Scalar, IsaKind::Avx2, IsaKind::Avx512]
-            .into_iter()
-            .filter_map(Isa::new)
-            .collect()
+        [
+            IsaKind::Scalar,
+            IsaKind::Neon,
+            IsaKind::Avx2,
+            IsaKind::Avx512,
+        ]
+        .into_iter()
+        .filter_map(Isa::new)
+        .collect()
     }
 
-    /// The set named `name` (`avx512`, `avx2` or `scalar`), if this CPU supports it.
+    /// The set named `name` (`avx512`, `avx2`, `neon` or `scalar`), if this CPU supports it.
     pub fn from_name(name: &str) -> Result<Isa, IsaError> {
         let kind = match name.trim().to_ascii_lowercase().as_str() {
             "avx512" => IsaKind::Avx512,
             "avx2" => IsaKind::Avx2,
+            "neon" => IsaKind::Neon,
             "scalar" => IsaKind::Scalar,
             _ => return Err(IsaError::Unknown(name.into())),
         };
@@ -104,6 +113,7 @@ fn cpu_has(kind: IsaKind) -> bool {
         let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
         match kind {
             IsaKind::Scalar => true,
+            IsaKind::Neon => false,
             IsaKind::Avx2 => avx2,
             IsaKind::Avx512 => {
                 avx2 && is_x86_feature_detected!("avx512f")
@@ -112,7 +122,16 @@ fn cpu_has(kind: IsaKind) -> bool {
             }
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    // NEON is part of the aarch64 baseline; asked anyway, as the x86 sets are.
+    #[cfg(target_arch = "aarch64")]
+    {
+        match kind {
+            IsaKind::Scalar => true,
+            IsaKind::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            IsaKind::Avx2 | IsaKind::Avx512 => false,
+        }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         kind == IsaKind::Scalar
     }
@@ -183,6 +202,9 @@ pub unsafe fn rows_f32_strided(isa: Isa, x: &[f32], k: usize, w: &[f32], y: *mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, with AVX2 and FMA.
         IsaKind::Avx2 => unsafe { x86::f32_avx2(x, k, w, y, ldy) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above, with NEON.
+        IsaKind::Neon => unsafe { arm::f32_neon(x, k, w, y, ldy) },
         // SAFETY: as above.
         _ => unsafe { rows_scalar(x, k, w, y, ldy, dot_f32) },
     }
@@ -207,16 +229,21 @@ pub unsafe fn rows_bf16_strided(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, with AVX2 and FMA.
         IsaKind::Avx2 => unsafe { x86::bf16_avx2(xp, k, w, y, ldy) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above, with NEON.
+        IsaKind::Neon => unsafe { arm::bf16_neon(xp, k, w, y, ldy) },
         // SAFETY: as above.
         _ => unsafe { rows_scalar(xp, k, w, y, ldy, dot_bf16) },
     }
 }
 
-/// Whether `isa` keeps a tile of several x rows in registers (AVX-512's 32 registers hold
-/// 4 weight rows × 4 x rows), so that a product of many rows reads `w` once per 64 rows.
-/// Elsewhere each row of x is a pass over `w`, and candle's GEMM is the better choice.
+/// Whether `isa` keeps a tile of several x rows in registers (the 32 registers of AVX-512
+/// and of NEON hold 4 weight rows × 4 x rows), so that a product of many rows reads `w` once
+/// per 64 rows. Elsewhere each row of x is a pass over `w`, and candle's GEMM (or, on AVX2,
+/// `prefill`) is the better choice. (NEON's tile is sized by counting registers: untimed on
+/// ARM hardware, where candle's GEMM might still win on long f32 prompts.)
 pub fn tiles_rows(isa: Isa) -> bool {
-    isa.kind() == IsaKind::Avx512
+    matches!(isa.kind(), IsaKind::Avx512 | IsaKind::Neon)
 }
 
 /// The portable path: one dot product per (row of x, row of w). It is the reference the
@@ -286,5 +313,7 @@ fn dot_bf16(xp: &[f32], row: &[u16], from: usize) -> f32 {
     acc.iter().sum::<f32>() + first + last
 }
 
+#[cfg(target_arch = "aarch64")]
+mod arm;
 #[cfg(target_arch = "x86_64")]
 mod x86;

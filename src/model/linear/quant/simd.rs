@@ -1,7 +1,10 @@
 //! One row of a block-format weight against one Q8_0 row of x: AVX2 (+ FMA) where the CPU
-//! has it (`Isa`), a scalar loop elsewhere (aarch64 too, until a NEON `vdotq_s32` form).
+//! has it (`Isa`), NEON on aarch64 (`arm`: `sdot` where the CPU has `dotprod`), a scalar
+//! loop elsewhere.
 
 use super::{Format, QRows, QWeight, BLOCK};
+#[cfg(target_arch = "aarch64")]
+use crate::model::linear::simd::{Isa, IsaKind};
 
 /// `Σ_b d_w[b] · d_x[b] · Σ_j w[b, j] · x[b, j]` over the blocks of weight row `r` and row
 /// `i` of x.
@@ -13,6 +16,11 @@ pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
             // SAFETY: Isa::current() says this CPU has AVX2 and FMA.
             return unsafe { x86::dot(w, r, x, i) };
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if Isa::current().kind() == IsaKind::Neon {
+        // SAFETY: r and i are rows of w and x (the caller's loop); NEON is checked (`Isa`).
+        return unsafe { arm::dot(w, r, x, i) };
     }
     scalar(w, r, x, i)
 }
@@ -27,6 +35,11 @@ pub fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
             // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
             return unsafe { x86::dot4(w, r, x, i0) };
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if Isa::current().kind() == IsaKind::Neon {
+        // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
+        return unsafe { arm::dot4(w, r, x, i0) };
     }
     std::array::from_fn(|j| scalar(w, r, x, i0 + j))
 }
@@ -57,6 +70,9 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
         })
         .sum()
 }
+
+#[cfg(target_arch = "aarch64")]
+mod arm;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
