@@ -17,7 +17,7 @@ fn relative_error(q: GgmlDType) -> f32 {
     let x = Tensor::randn(0f32, 1.0, (3, 256), &dev).unwrap();
     let dense = Linear::new(w.clone(), None).forward(&x).unwrap();
     let mut quant = Linear::new(w, None);
-    assert!(quant.quantize(q).unwrap(), "{q:?}: not quantized");
+    assert!(quant.quantize(&q).unwrap(), "{q:?}: not quantized");
     assert!(quant.weight().is_none());
     let got = quant.forward(&x).unwrap();
     let diff = (got - &dense).unwrap().sqr().unwrap().sum_all().unwrap();
@@ -37,7 +37,7 @@ fn quantized_products_stay_close_to_dense_ones() {
     // Rows that are not whole blocks of 32 stay dense.
     let w = Tensor::zeros((4, 48), candle_core::DType::F32, &Device::Cpu).unwrap();
     let mut l = Linear::new(w, None);
-    assert!(!l.quantize(GgmlDType::Q8_0).unwrap());
+    assert!(!l.quantize(&GgmlDType::Q8_0).unwrap());
     assert!(l.weight().is_some());
 }
 
@@ -123,7 +123,7 @@ fn our_block_products_match_candles() {
     let x = Tensor::randn(0f32, 1.0, (2, 576), &dev).unwrap();
     for q in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
         let mut ours = Linear::new(w.clone(), None);
-        ours.quantize(q).unwrap();
+        ours.quantize(&q).unwrap();
         let ours = ours.forward(&x).unwrap();
         let theirs = candle_core::quantized::QTensor::quantize(&w, q).unwrap();
         let theirs = x.apply_op1_no_bwd(&theirs).unwrap();

@@ -68,14 +68,23 @@ pub fn name(d: DType) -> &'static str {
 }
 
 /// The name reported for a model's weights: the block format of its projections when
-/// quantized (`q8_0`, `q4_0`), else its dtype's [`name`].
+/// quantized (`q8_0`, `q4_0`, a GGUF file's `q4_1`, `q4_k`...), as llama.cpp names them,
+/// else its dtype's [`name`].
 pub fn label(d: DType, quant: Option<GgmlDType>) -> &'static str {
     match quant {
         Some(GgmlDType::Q8_0) => "q8_0",
         Some(GgmlDType::Q4_0) => "q4_0",
         Some(GgmlDType::Q4_1) => "q4_1",
-        Some(_) => "quantized",
-        None => name(d),
+        Some(GgmlDType::Q5_0) => "q5_0",
+        Some(GgmlDType::Q5_1) => "q5_1",
+        Some(GgmlDType::Q2K) => "q2_k",
+        Some(GgmlDType::Q3K) => "q3_k",
+        Some(GgmlDType::Q4K) => "q4_k",
+        Some(GgmlDType::Q5K) => "q5_k",
+        Some(GgmlDType::Q6K) => "q6_k",
+        Some(GgmlDType::Q8K) => "q8_k",
+        Some(GgmlDType::Q8_1) => "q8_1",
+        Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None => name(d),
     }
 }
 

@@ -123,23 +123,47 @@ pub fn count_parameters(tensors: &[TensorInfo], tied: bool) -> usize {
         .sum()
 }
 
-/// Bytes that quantizing the layers' projections to `q` saves against `dtype`, by the rule
-/// `Transformer::new_quantized` applies: every 2-D `*_proj.weight` (and MLA's
-/// `kv_a_proj_with_mqa.weight`) under `model.layers`
-/// whose rows are whole blocks, except MLA's `kv_b_proj` (its halves are multiplied per
-/// head). (transformers' fused expert tensors, 3-D here, are not counted.)
-pub fn quantization_saved_bytes(tensors: &[TensorInfo], dtype: DType, q: GgmlDType) -> usize {
-    tensors
+/// Bytes that quantizing to `q` saves against `dtype`, by the rule
+/// `Transformer::new_quantized` applies with `--dtype q8_0|q4_0`: every 2-D `*_proj.weight`
+/// (and MLA's `kv_a_proj_with_mqa.weight`) under `model.layers` whose rows are whole blocks,
+/// except MLA's `kv_b_proj` (its halves are multiplied per head), goes to `q`; the LM head
+/// goes to Q8_0, and a tied one is an added Q8_0 copy of the embedding (so a small model can
+/// come out negative). (transformers' fused expert tensors, 3-D here, are not counted.)
+pub fn quantization_saved_bytes(
+    tensors: &[TensorInfo],
+    dtype: DType,
+    q: GgmlDType,
+    tied: bool,
+) -> isize {
+    let blocks = |t: &TensorInfo, q: GgmlDType| {
+        t.shape.len() == 2 && t.shape[1].is_multiple_of(q.block_size())
+    };
+    let saved = |t: &TensorInfo, q: GgmlDType| {
+        (t.elem_count() * dtype.size_in_bytes()) as isize
+            - super::dtype::quantized_bytes(q, t.elem_count()) as isize
+    };
+    let projections: isize = tensors
         .iter()
         .filter(|t| t.name.starts_with("model.layers."))
         .filter(|t| t.name.ends_with("_proj.weight") || t.name.ends_with("_proj_with_mqa.weight"))
         .filter(|t| !t.name.ends_with("kv_b_proj.weight"))
-        .filter(|t| t.shape.len() == 2 && t.shape[1].is_multiple_of(q.block_size()))
-        .map(|t| {
-            t.elem_count() * dtype.size_in_bytes()
-                - super::dtype::quantized_bytes(q, t.elem_count())
-        })
-        .sum()
+        .filter(|t| blocks(t, q))
+        .map(|t| saved(t, q))
+        .sum();
+    let head_name = if tied {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let head = tensors
+        .iter()
+        .find(|t| t.name == head_name)
+        .filter(|t| blocks(t, GgmlDType::Q8_0))
+        .map_or(0, |t| match tied {
+            true => -(super::dtype::quantized_bytes(GgmlDType::Q8_0, t.elem_count()) as isize),
+            false => saved(t, GgmlDType::Q8_0),
+        });
+    projections + head
 }
 
 /// The floating-point dtype holding most of the checkpoint's bytes, if any.

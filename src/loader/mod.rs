@@ -108,12 +108,12 @@ impl Description {
         checkpoint_dtype: Option<DType>,
     ) -> Self {
         let saved = match dtype.quantization() {
-            Some(q) => headers::quantization_saved_bytes(tensors, run, q),
+            Some(q) => headers::quantization_saved_bytes(tensors, run, q, cfg.tie_word_embeddings),
             None => 0,
         };
         Self {
             num_parameters,
-            weight_bytes: num_parameters * run.size_in_bytes() - saved,
+            weight_bytes: ((num_parameters * run.size_in_bytes()) as isize - saved) as usize,
             dtype: run,
             quantization: dtype.quantization(),
             checkpoint_dtype,
@@ -150,8 +150,8 @@ impl Loaded {
 
     /// Bytes of the weights at the dtype (and block format) they run in.
     pub fn weight_bytes(&self) -> usize {
-        self.num_parameters * self.model.dtype().size_in_bytes()
-            - self.model.quantization_saved_bytes()
+        let dense = self.num_parameters * self.model.dtype().size_in_bytes();
+        (dense as isize - self.model.quantization_saved_bytes()) as usize
     }
 
     /// What `--json` reports as `dtype`: `q8_0`/`q4_0` when quantized, else `f32`, `bf16`...
@@ -217,7 +217,7 @@ pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> 
         &cfg,
         Box::new(weights::Unmapping(mapped)),
         dtype,
-        quant,
+        quant.as_ref().map(|q| q as _),
         device,
     )
     .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
@@ -275,6 +275,7 @@ pub fn load_bundled(
     let quant = dtype.quantization();
     let dtype = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
     let tensors = candle_core::safetensors::SliceSafetensors::new(b.weights)?;
+    let quant = quant.as_ref().map(|q| q as _);
     let (model, num_parameters) = weights::build(&cfg, Box::new(tensors), dtype, quant, device)?;
     let tokenizer = Tokenizer::from_bytes(b.tokenizer)
         .map_err(|e| Error::Tokenizer(format!("bundled {}: {e}", b.name)))?;
@@ -300,6 +301,7 @@ pub fn random(
         "random weights for this config",
         "lower vocab_size, hidden_size, intermediate_size or num_hidden_layers",
     )?;
+    let quant = quant.as_ref().map(|q| q as _);
     let (model, num_parameters) =
         weights::build(cfg, Box::new(weights::RandomWeights), dtype, quant, device)?;
     Ok(Loaded::bare(model, num_parameters, None))

@@ -4,8 +4,8 @@
 
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::model::linear::Quantizer;
 use crate::model::Transformer;
-use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -19,7 +19,7 @@ pub(super) fn build(
     cfg: &ModelConfig,
     backend: Box<dyn SimpleBackend>,
     dtype: DType,
-    quant: Option<GgmlDType>,
+    quant: Option<&dyn Quantizer>,
     device: &Device,
 ) -> Result<(Transformer, usize)> {
     let params = Arc::new(AtomicUsize::new(0));

@@ -48,7 +48,7 @@ impl DecoderLayer {
     }
 
     /// Quantizes the attention and MLP projections; returns the bytes saved.
-    pub fn quantize(&mut self, q: candle_core::quantized::GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn crate::model::linear::Quantizer) -> Result<usize> {
         Ok(self.self_attn.quantize(q)? + self.mlp.quantize(q)?)
     }
 

@@ -25,6 +25,47 @@ pub struct Linear {
     weight: Weight,
     /// (out_features,), added after the product.
     bias: Option<Tensor>,
+    /// The weight's name in the checkpoint, when loaded by name: how a [`Quantizer`] finds
+    /// its blocks.
+    name: Option<String>,
+}
+
+/// How a projection is stored in blocks: quantized from its dense weight as it loads
+/// (`--dtype q8_0|q4_0`), or the blocks a file already holds (a GGUF's).
+pub enum Blocks {
+    Made(GgmlDType),
+    Stored(QTensor),
+}
+
+/// The one door by which block formats enter the model: for each projection the model loads
+/// (by its checkpoint name, when it has one), which blocks replace its dense weight.
+pub trait Quantizer {
+    /// The blocks for the weight `name`, or `None` to keep it dense.
+    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>>;
+
+    /// The format most of the projections end up in: what `--json` reports as `dtype`.
+    fn label(&self) -> GgmlDType;
+}
+
+/// Whether `name` is the LM head's weight (or the embedding standing in for a tied one).
+pub fn is_head(name: &str) -> bool {
+    name == "lm_head.weight" || name == "model.embed_tokens.weight"
+}
+
+/// `--dtype q8_0|q4_0`: every projection quantized to this format as it loads, and the LM
+/// head to Q8_0 whatever it is (llama.cpp keeps the output matrix at 6 bits or more: at
+/// 4 bits it costs the most quality per byte saved).
+impl Quantizer for GgmlDType {
+    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>> {
+        Ok(Some(match name {
+            Some(name) if is_head(name) => Blocks::Made(GgmlDType::Q8_0),
+            _ => Blocks::Made(*self),
+        }))
+    }
+
+    fn label(&self) -> GgmlDType {
+        *self
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -43,6 +84,15 @@ impl Linear {
         Self {
             weight: Weight::Dense(weight),
             bias,
+            name: None,
+        }
+    }
+
+    /// This layer, its weight named `name` in the checkpoint.
+    pub fn named(self, name: impl Into<String>) -> Self {
+        Self {
+            name: Some(name.into()),
+            ..self
         }
     }
 
@@ -67,30 +117,62 @@ impl Linear {
         }
     }
 
-    /// Stores the weight in the block format `q` (e.g. Q8_0: 32 weights and one f16 scale
-    /// per block), as llama.cpp's quantization does, and returns whether it did: a weight
-    /// whose rows are not whole blocks stays as it is.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<bool> {
+    /// Stores the weight in the blocks `quantizer` gives for it (e.g. Q8_0: 32 weights and
+    /// one f16 scale per block, as llama.cpp's quantization makes them), and returns whether
+    /// it did: a weight whose rows are not whole blocks, or for which the quantizer has none,
+    /// stays as it is. On CPU, Q8_0, Q4_0 and Q4_1 go to our kernels ([`quant`]); other
+    /// formats (the K-quants of a GGUF file), and every format on other devices, to candle's.
+    pub fn quantize(&mut self, quantizer: &dyn Quantizer) -> Result<bool> {
         let Weight::Dense(w) = &self.weight else {
             return Ok(false);
+        };
+        let Some(blocks) = quantizer.blocks(self.name.as_deref())? else {
+            return Ok(false);
+        };
+        let q = match &blocks {
+            Blocks::Made(q) => *q,
+            Blocks::Stored(t) => t.dtype(),
         };
         if w.rank() != 2 || !w.dim(1)?.is_multiple_of(q.block_size()) {
             return Ok(false);
         }
-        let format = match q {
+        let (dev, (rows, cols)) = (w.device().clone(), w.dims2()?);
+        let ours = match q {
             GgmlDType::Q8_0 => Some(Format::Q8_0),
             GgmlDType::Q4_0 => Some(Format::Q4_0),
+            GgmlDType::Q4_1 => Some(Format::Q4_1),
             _ => None,
-        };
-        self.weight = match format {
-            Some(format) if w.device().is_cpu() => {
-                let cols = w.dim(1)?;
+        }
+        .filter(|_| dev.is_cpu());
+        let unreadable =
+            |what: &str| candle_core::Error::Msg(format!("cannot read {what} as {q:?}"));
+        self.weight = match (blocks, ours) {
+            (Blocks::Made(_), Some(format)) => {
                 let data = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let blocks = QWeight::quantize(format, &data, cols)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("cannot quantize {w:?}")))?;
-                Weight::Blocks(Arc::new(blocks))
+                let q =
+                    QWeight::quantize(format, &data, cols).ok_or_else(|| unreadable("weight"))?;
+                Weight::Blocks(Arc::new(q))
             }
-            _ => Weight::Quantized(Arc::new(QTensor::quantize(w, q)?)),
+            (Blocks::Made(q), None) => Weight::Quantized(Arc::new(QTensor::quantize(w, q)?)),
+            (Blocks::Stored(t), _) if t.shape().dims() != [rows, cols] => {
+                return Err(candle_core::Error::Msg(format!(
+                    "stored blocks {:?} do not match the weight's shape {:?}",
+                    t.shape(),
+                    w.shape()
+                )))
+            }
+            (Blocks::Stored(t), Some(format)) => {
+                let q = QWeight::from_ggml(format, rows, cols, &t.data()?)
+                    .ok_or_else(|| unreadable("stored blocks"))?;
+                Weight::Blocks(Arc::new(q))
+            }
+            (Blocks::Stored(t), None) if t.device().same_device(&dev) => {
+                Weight::Quantized(Arc::new(t))
+            }
+            (Blocks::Stored(t), None) => {
+                let storage = candle_core::quantized::QStorage::from_data(t.data()?, &dev, q)?;
+                Weight::Quantized(Arc::new(QTensor::new(storage, (rows, cols))?))
+            }
         };
         Ok(true)
     }
@@ -104,12 +186,13 @@ impl From<candle_nn::Linear> for Linear {
 
 /// `in_dim -> out_dim`, with a bias when `bias`: candle_nn's loader and initialisers.
 pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
-    candle_nn::linear_b(in_dim, out_dim, bias, vb).map(Linear::from)
+    let name = format!("{}.weight", vb.prefix());
+    candle_nn::linear_b(in_dim, out_dim, bias, vb).map(|l| Linear::from(l).named(name))
 }
 
 /// `in_dim -> out_dim` without a bias.
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    candle_nn::linear_no_bias(in_dim, out_dim, vb).map(Linear::from)
+    linear_b(in_dim, out_dim, false, vb)
 }
 
 /// Which product runs `x · wᵀ`.

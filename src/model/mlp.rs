@@ -1,9 +1,9 @@
 //! The feed-forward part of a layer: a dense SwiGLU, or DeepSeek's mixture of experts.
 
+use super::linear::Quantizer;
 use super::linear::{linear_b, Linear};
 use super::moe::Moe;
 use crate::config::{MlpConfig, ModelConfig};
-use candle_core::quantized::GgmlDType;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -25,7 +25,7 @@ impl SwiGlu {
     }
 
     /// Quantizes the three projections (see [`Linear::quantize`]); returns the bytes saved.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         quantize_all(
             &mut [&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj],
             q,
@@ -69,7 +69,7 @@ impl Mlp {
 
 impl Mlp {
     /// Quantizes every projection (the MoE router stays in f32); returns the bytes saved.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         match self {
             Mlp::Dense(mlp) => mlp.quantize(q),
             Mlp::Moe(moe) => moe.quantize(q),
@@ -78,7 +78,7 @@ impl Mlp {
 }
 
 /// Quantizes each of `linears` whose rows are whole blocks; returns the bytes saved.
-pub fn quantize_all(linears: &mut [&mut Linear], q: GgmlDType) -> Result<usize> {
+pub fn quantize_all(linears: &mut [&mut Linear], q: &dyn Quantizer) -> Result<usize> {
     let mut saved = 0;
     for l in linears.iter_mut() {
         let before = l.weight_bytes();

@@ -17,7 +17,7 @@ use block::DecoderLayer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, Embedding, RmsNorm, VarBuilder};
-use linear::Linear;
+use linear::{Linear, Quantizer};
 use rope::Rope;
 
 /// Prompt tokens per forward: bounds the (heads, chunk, context) attention scores a long
@@ -58,8 +58,9 @@ pub struct Transformer {
     rope: Rope,
     cfg: ModelConfig,
     /// The block format of the layers' projections, and the bytes it saved against the
-    /// dense weights; `None` when they are dense.
-    quantized: Option<(GgmlDType, usize)>,
+    /// dense weights (less a tied LM head's blocks, kept beside the embedding); `None` when
+    /// they are dense.
+    quantized: Option<(GgmlDType, isize)>,
 }
 
 impl Transformer {
@@ -67,15 +68,15 @@ impl Transformer {
         Self::new_quantized(cfg, vb, None)
     }
 
-    /// The model with each layer's projections in the block format `quant` (Q8_0, Q4_0, ...),
-    /// quantized layer by layer as they load, so the dense weights of only one layer are in
-    /// memory at a time. Embeddings, norms and the LM head keep `vb`'s dtype, as in
-    /// llama.cpp's default quantization mixes. A projection whose rows are not whole blocks
-    /// stays dense.
+    /// The model with each layer's projections and the LM head in the blocks `quant` gives
+    /// (Q8_0, Q4_0, a GGUF file's own...), replaced layer by layer as they load, so the dense
+    /// weights of only one layer are in memory at a time. Embeddings and norms keep `vb`'s
+    /// dtype; a tied LM head gets its own blocks beside the embedding (the lookup reads one
+    /// row, the head all of them). A projection whose rows are not whole blocks stays dense.
     pub fn new_quantized(
         cfg: &ModelConfig,
         vb: VarBuilder,
-        quant: Option<GgmlDType>,
+        quant: Option<&dyn Quantizer>,
     ) -> Result<Self> {
         let vb_m = vb.pp("model");
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
@@ -84,15 +85,25 @@ impl Transformer {
         for i in 0..cfg.num_hidden_layers {
             let mut layer = DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i))?;
             if let Some(q) = quant {
-                saved += layer.quantize(q)?;
+                saved += layer.quantize(q)? as isize;
             }
             layers.push(layer);
         }
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+        let mut lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None).named("model.embed_tokens.weight")
         } else {
             linear::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
+        if let Some(q) = quant {
+            // A tied head's dense weight is the embedding's, counted already.
+            let before = match cfg.tie_word_embeddings {
+                true => 0,
+                false => lm_head.weight_bytes() as isize,
+            };
+            if lm_head.quantize(q)? {
+                saved += before - lm_head.weight_bytes() as isize;
+            }
+        }
         let act = activation_dtype(vb.dtype(), vb.device());
         let rope = Rope::new(&cfg.rope, act, vb.device())?;
         Ok(Self {
@@ -102,7 +113,7 @@ impl Transformer {
             lm_head,
             rope,
             cfg: cfg.clone(),
-            quantized: quant.map(|q| (q, saved)),
+            quantized: quant.map(|q| (q.label(), saved)),
         })
     }
 
@@ -111,8 +122,9 @@ impl Transformer {
         self.quantized.map(|(q, _)| q)
     }
 
-    /// Bytes quantization saved against the dense weights (0 when dense).
-    pub fn quantization_saved_bytes(&self) -> usize {
+    /// Bytes quantization saved against the dense weights (0 when dense; it can be negative
+    /// for a small model whose tied LM head's blocks outweigh what the projections saved).
+    pub fn quantization_saved_bytes(&self) -> isize {
         self.quantized.map_or(0, |(_, saved)| saved)
     }
 

@@ -3,7 +3,7 @@
 
 use super::mlp::SwiGlu;
 use crate::config::{MoeConfig, Router};
-use candle_core::quantized::GgmlDType;
+use crate::model::linear::Quantizer;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -20,7 +20,7 @@ pub struct Moe {
 
 impl Moe {
     /// Quantizes the experts (the router stays in f32); returns the bytes saved.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         let mut saved = 0;
         for e in self.experts.iter_mut().chain(self.shared_experts.as_mut()) {
             saved += e.quantize(q)?;

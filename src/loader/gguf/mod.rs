@@ -4,9 +4,12 @@
 //! ([`tokenizer`]), and its tensors are read under Hugging Face names ([`tensors`]), so the
 //! result is the same [`Loaded`] a directory gives.
 //!
-//! Weights are dequantized to f32 at load (then to `--dtype`; `auto` is f32 unless the file
-//! stores f16/bf16): nothing is kept in GGUF's block formats yet. Opening a file reads its
-//! metadata and tensor table only; `info` reads no tensor data.
+//! With `--dtype auto` (the default) the projections and the LM head stay in the file's
+//! block formats (Q8_0, Q4_0 and Q4_1 on our kernels, the K-quants on candle's), and the
+//! rest (embeddings, norms) is dequantized to f32, or kept in f16/bf16 when the file stores
+//! those. `--dtype f32|bf16` dequantizes everything; `--dtype q8_0|q4_0` re-quantizes the
+//! dequantized weights as for a checkpoint. Opening a file reads its metadata and tensor table
+//! only; `info` reads no tensor data.
 
 mod config;
 mod metadata;
@@ -20,6 +23,7 @@ use super::headers::TensorInfo;
 use super::{meta, DTypeArg, Description, GenerationConfig, Loaded, TextTokenizer};
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::{candle_message, Error, Result};
+use crate::model::linear::Quantizer;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
@@ -27,7 +31,7 @@ use metadata::Meta;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tensors::GgufTensors;
+use tensors::{is_blocks, keeps_blocks, GgufTensors};
 
 /// Whether `path` names a GGUF file: `*.gguf`, or a file that starts with GGUF's magic.
 pub fn is_gguf(path: &Path) -> bool {
@@ -204,13 +208,40 @@ impl GgufFile {
             })
             .collect();
         let n = self.num_parameters();
-        Ok(Description::new(
-            cfg,
-            &infos,
-            n,
-            (dtype, run),
-            checkpoint_dtype,
-        ))
+        let tied = cfg.tie_word_embeddings;
+        let mut description = Description::new(cfg, &infos, n, (dtype, run), checkpoint_dtype);
+        if let Some(q) = self.kept_blocks(dtype, &description.cfg) {
+            description.quantization = Some(q.label());
+            let dense = (n * run.size_in_bytes()) as isize;
+            description.weight_bytes = (dense - self.kept_blocks_saved(run, tied)) as usize;
+        }
+        Ok(description)
+    }
+
+    /// What keeps the file's blocks with `dtype` (`auto`, when the file has blocks to keep).
+    fn kept_blocks(&self, dtype: DTypeArg, cfg: &ModelConfig) -> Option<GgufTensors> {
+        let tensors = self.tensors(cfg);
+        let kept = dtype == DTypeArg::Auto && tensors.main_block_format().is_some();
+        kept.then_some(tensors)
+    }
+
+    /// Bytes the file's blocks save against dense weights in `run`, by the rule the
+    /// [`GgufTensors`] quantizer applies: every projection and LM head stored in blocks
+    /// keeps them; a tied head's blocks come beside the dense embedding.
+    fn kept_blocks_saved(&self, run: DType, tied: bool) -> isize {
+        let infos = self.content.tensor_infos.iter();
+        let kept = infos.filter_map(|(n, t)| Some((hf_name(n)?, t)));
+        kept.filter(|(h, t)| keeps_blocks(h) && is_blocks(t.ggml_dtype))
+            .map(|(h, t)| {
+                let elems = t.shape.elem_count();
+                let stored = super::dtype::quantized_bytes(t.ggml_dtype, elems) as isize;
+                match h.as_str() {
+                    "model.embed_tokens.weight" if tied => -stored,
+                    "model.embed_tokens.weight" => 0,
+                    _ => (elems * run.size_in_bytes()) as isize - stored,
+                }
+            })
+            .sum()
     }
 
     /// The model, its tokenizer and what the file says about using them.
@@ -224,8 +255,14 @@ impl GgufFile {
         let checkpoint_dtype = self.stored_dtype();
         let dtype_arg = dtype;
         let dtype = dtype.resolve(None, checkpoint_dtype, device);
+        let made = dtype_arg.quantization();
+        let kept = self.kept_blocks(dtype_arg, &cfg);
+        let quant: Option<&dyn Quantizer> = match (&made, &kept) {
+            (Some(q), _) => Some(q),
+            (None, Some(kept)) => Some(kept),
+            (None, None) => None,
+        };
         let tensors = Box::new(self.tensors(&cfg));
-        let quant = dtype_arg.quantization();
         let (model, num_parameters) = super::weights::build(&cfg, tensors, dtype, quant, device)
             .map_err(|e| Error::Weights(format!("{}: {e}", self.path.display())))?;
         let tokenizer = match built {

@@ -1,13 +1,13 @@
 //! A GGUF file's tensors under the Hugging Face names the model asks for
 //! (`model.layers.3.self_attn.q_proj.weight` is llama.cpp's `blk.3.attn_q.weight`), read one at
-//! a time when the model is built, dequantized to f32, and with llama.cpp's Q/K row order
-//! undone for the Llama architecture.
-//!
-//! Dequantized at load for now: the block formats (Q4_0, Q4_1, Q8_0, Q4_K, ...) are expanded
-//! to f32 (then to the run dtype) here, so a Q4_1 file runs as fast and as large as its f32
-//! directory. Keeping them in their blocks waits for the quantized `Linear`.
+//! a time when the model is built, and with llama.cpp's Q/K row order undone for the Llama
+//! architecture: dequantized to f32 for the `VarBuilder` (embeddings, norms, and every
+//! weight with `--dtype f32|bf16|q8_0|q4_0`), and as the file's own blocks for the
+//! projections and the LM head with `--dtype auto` (the [`Quantizer`] impl).
 
+use crate::model::linear::{Blocks, Quantizer};
 use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use std::path::PathBuf;
@@ -77,8 +77,36 @@ pub(super) fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor>
         .reshape(dims)
 }
 
+/// [`unpermute`] for a matrix in any block format: its rows are whole blocks, moved as bytes.
+fn unpermute_blocks(t: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
+    let (rows, cols) = t.shape().dims2()?;
+    if heads == 0 || rows % (2 * heads) != 0 {
+        candle_core::bail!("{rows} rows do not split into {heads} heads of rotary pairs");
+    }
+    let q = t.dtype();
+    let (data, row) = (t.data()?, cols / q.block_size() * q.type_size());
+    let half = rows / heads / 2;
+    let mut out = Vec::with_capacity(data.len());
+    for h in 0..heads {
+        for pair in 0..2 {
+            for j in 0..half {
+                let r = (h * half + j) * 2 + pair;
+                out.extend_from_slice(&data[r * row..(r + 1) * row]);
+            }
+        }
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &Device::Cpu, q)?;
+    QTensor::new(storage, (rows, cols))
+}
+
+/// Whether `q` is one of ggml's block formats (not a plain float type).
+pub fn is_blocks(q: GgmlDType) -> bool {
+    !matches!(q, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
 /// The open file as a `VarBuilder` backend: each tensor is read from disk when the model asks
 /// for it, so the resident peak is the built model plus one tensor.
+#[derive(Clone)]
 pub(super) struct GgufTensors {
     pub path: PathBuf,
     pub content: Arc<Content>,
@@ -87,24 +115,86 @@ pub(super) struct GgufTensors {
 }
 
 impl GgufTensors {
-    /// The tensor named `hf` (a Hugging Face name), dequantized to f32 on `dev`.
-    pub fn read(&self, hf: &str, dev: &Device) -> candle_core::Result<Tensor> {
-        let Some(name) = gguf_name(hf).filter(|g| self.content.tensor_infos.contains_key(g)) else {
-            return Err(candle_core::Error::CannotFindTensor { path: hf.into() });
-        };
-        let mut file = std::fs::File::open(&self.path)?;
-        let q = self.content.tensor(&mut file, &name, dev)?;
-        let t = q.dequantize(dev)?;
-        match (
+    /// llama.cpp's name for `hf` and the head count its rows are permuted by, if any.
+    fn find(&self, hf: &str) -> Option<(String, Option<usize>)> {
+        let name = gguf_name(hf).filter(|g| self.content.tensor_infos.contains_key(g))?;
+        let heads = match (
             self.permute,
             name.contains(".attn_q."),
             name.contains(".attn_k."),
         ) {
-            (Some((heads, _)), true, _) => unpermute(&t, heads),
-            (Some((_, kv_heads)), _, true) => unpermute(&t, kv_heads),
-            _ => Ok(t),
+            (Some((heads, _)), true, _) => Some(heads),
+            (Some((_, kv_heads)), _, true) => Some(kv_heads),
+            _ => None,
+        };
+        Some((name, heads))
+    }
+
+    /// The block format holding most of the bytes of the tensors kept in blocks (the
+    /// projections and the LM head), if any is.
+    pub fn main_block_format(&self) -> Option<GgmlDType> {
+        let mut bytes: Vec<(GgmlDType, usize)> = Vec::new();
+        for (name, t) in &self.content.tensor_infos {
+            let taken = hf_name(name).is_some_and(|h| keeps_blocks(&h));
+            if taken && is_blocks(t.ggml_dtype) {
+                let n = t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size();
+                match bytes.iter_mut().find(|(q, _)| *q == t.ggml_dtype) {
+                    Some(e) => e.1 += n,
+                    None => bytes.push((t.ggml_dtype, n)),
+                }
+            }
+        }
+        bytes.into_iter().max_by_key(|&(_, n)| n).map(|(q, _)| q)
+    }
+
+    /// The tensor named `hf` (a Hugging Face name), dequantized to f32 on `dev`.
+    pub fn read(&self, hf: &str, dev: &Device) -> candle_core::Result<Tensor> {
+        let Some((name, heads)) = self.find(hf) else {
+            return Err(candle_core::Error::CannotFindTensor { path: hf.into() });
+        };
+        let mut file = std::fs::File::open(&self.path)?;
+        let t = self
+            .content
+            .tensor(&mut file, &name, dev)?
+            .dequantize(dev)?;
+        match heads {
+            Some(heads) => unpermute(&t, heads),
+            None => Ok(t),
         }
         .map_err(|e| e.context(format!("tensor {name}")))
+    }
+}
+
+/// Whether the model takes the tensor `hf` (a Hugging Face name) as blocks when the file
+/// stores it so: a layer's projection, or the LM head (the embedding, for a tied one).
+pub fn keeps_blocks(hf: &str) -> bool {
+    crate::model::linear::is_head(hf)
+        || (hf.starts_with("model.layers.") && hf.ends_with("_proj.weight"))
+}
+
+/// `--dtype auto`: the file's own blocks for each projection and the LM head that it stores
+/// in a block format (read again as stored, never dequantized); float tensors stay dense.
+impl Quantizer for GgufTensors {
+    fn blocks(&self, name: Option<&str>) -> candle_core::Result<Option<Blocks>> {
+        let Some((gguf, heads)) = name.filter(|n| keeps_blocks(n)).and_then(|n| self.find(n))
+        else {
+            return Ok(None);
+        };
+        if !is_blocks(self.content.tensor_infos[&gguf].ggml_dtype) {
+            return Ok(None);
+        }
+        let mut file = std::fs::File::open(&self.path)?;
+        let t = self.content.tensor(&mut file, &gguf, &Device::Cpu)?;
+        let t = match heads {
+            Some(heads) => unpermute_blocks(&t, heads),
+            None => Ok(t),
+        }
+        .map_err(|e| e.context(format!("tensor {gguf}")))?;
+        Ok(Some(Blocks::Stored(t)))
+    }
+
+    fn label(&self) -> GgmlDType {
+        self.main_block_format().unwrap_or(GgmlDType::F32)
     }
 }
 

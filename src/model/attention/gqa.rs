@@ -4,11 +4,11 @@
 use super::sdpa;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, Linear};
 use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
-use candle_core::quantized::GgmlDType;
 use candle_core::{Error, Module, Result, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
 
@@ -58,7 +58,7 @@ impl GqaAttention {
     }
 
     /// Quantizes the four projections; returns the bytes saved.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         let (qp, kp, vp, op) = (
             &mut self.q_proj,
             &mut self.k_proj,

@@ -14,11 +14,11 @@
 use super::{attend, sdpa};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
 use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
-use candle_core::quantized::GgmlDType;
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{RmsNorm, VarBuilder};
 
@@ -104,7 +104,7 @@ impl MlaAttention {
 
     /// Quantizes the projections; the up-projections W_UK and W_UV stay as they are (the
     /// absorbed decode multiplies them per head). Returns the bytes saved.
-    pub fn quantize(&mut self, q: GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         let mut linears = vec![&mut self.kv_a_proj_with_mqa, &mut self.o_proj];
         match &mut self.query {
             QueryProj::Direct { q_proj } => linears.push(q_proj),

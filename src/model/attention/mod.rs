@@ -29,7 +29,7 @@ impl Attention {
     }
 
     /// Quantizes the layer's projections; returns the bytes saved.
-    pub fn quantize(&mut self, q: candle_core::quantized::GgmlDType) -> Result<usize> {
+    pub fn quantize(&mut self, q: &dyn crate::model::linear::Quantizer) -> Result<usize> {
         match self {
             Attention::Gqa(a) => a.quantize(q),
             Attention::Mla(a) => a.quantize(q),

@@ -4,9 +4,10 @@
 //! A block is 32 consecutive weights of a row with one f16 scale `d`: Q8_0 stores
 //! `round(w / d)` as i8 (d = max|w| / 127), Q4_0 stores `w / d + 8` as 4-bit values
 //! (d = the weight of largest magnitude / -8), low nibbles holding weights 0-15 of the block
-//! and high nibbles 16-31, as ggml does. Rows of x are quantized to Q8_0 (f32 scales) and
-//! each block's dot product is an integer one, scaled by `d_w · d_x` ([`simd`]: AVX2's
-//! `maddubs`, as llama.cpp; a scalar loop elsewhere).
+//! and high nibbles 16-31, as ggml does. Q4_1 (GGUF files) adds an f16 minimum `m` per block:
+//! `w = d · q + m` with q in 0..=15. Rows of x are quantized to Q8_0 (f32 scales) and each
+//! block's dot product is an integer one, scaled by `d_w · d_x` (plus `m_w` times the x
+//! block's sum for Q4_1) ([`simd`]: AVX2's `maddubs`, as llama.cpp; a scalar loop elsewhere).
 //!
 //! Why not candle's `QMatMul`: it runs on its own spinning thread pool, which on a 2-core
 //! host fights ours and any other process; SmolLM2-135M Q8_0 decode spent 48% of its time
@@ -26,6 +27,25 @@ pub const BLOCK: usize = 32;
 pub enum Format {
     Q8_0,
     Q4_0,
+    Q4_1,
+}
+
+impl Format {
+    /// Bytes of quants per block (the scales are apart).
+    fn quant_bytes(self) -> usize {
+        match self {
+            Format::Q8_0 => BLOCK,
+            Format::Q4_0 | Format::Q4_1 => BLOCK / 2,
+        }
+    }
+
+    /// The f16 values ahead of a block's quants in ggml's layout: d, and m for Q4_1.
+    fn halves(self) -> usize {
+        match self {
+            Format::Q4_1 => 2,
+            _ => 1,
+        }
+    }
 }
 
 /// A (rows, cols) weight matrix in a block format; `cols` is a multiple of [`BLOCK`].
@@ -36,7 +56,9 @@ pub struct QWeight {
     pub cols: usize,
     /// One scale per block, row-major.
     scales: Vec<f16>,
-    /// Q8_0: one i8 per weight; Q4_0: one byte per two weights.
+    /// Q4_1: one minimum per block; empty otherwise.
+    mins: Vec<f16>,
+    /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights.
     quants: Vec<u8>,
 }
 
@@ -44,6 +66,8 @@ pub struct QWeight {
 pub struct QRows {
     cols: usize,
     scales: Vec<f32>,
+    /// Per block, `d · Σ q`: what a Q4_1 weight block's minimum multiplies.
+    sums: Vec<f32>,
     quants: Vec<i8>,
 }
 
@@ -54,54 +78,93 @@ impl QWeight {
             return None;
         }
         let blocks = w.len() / BLOCK;
-        let per_block = match format {
-            Format::Q8_0 => BLOCK,
-            Format::Q4_0 => BLOCK / 2,
-        };
-        let (mut scales, mut quants) = (Vec::with_capacity(blocks), vec![0u8; blocks * per_block]);
-        for (b, (x, q)) in w
+        let per_block = format.quant_bytes();
+        let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::new());
+        let mut quants = vec![0u8; blocks * per_block];
+        for (x, q) in w
             .chunks_exact(BLOCK)
             .zip(quants.chunks_exact_mut(per_block))
-            .enumerate()
         {
-            debug_assert_eq!(b, scales.len());
-            scales.push(f16::from_f32(match format {
+            let d = match format {
                 Format::Q8_0 => quantize_q8(x, q),
                 Format::Q4_0 => quantize_q4(x, q),
-            }));
+                Format::Q4_1 => {
+                    let (d, m) = quantize_q4_1(x, q);
+                    mins.push(f16::from_f32(m));
+                    d
+                }
+            };
+            scales.push(f16::from_f32(d));
         }
         Some(Self {
             format,
             rows: w.len() / cols,
             cols,
             scales,
+            mins,
             quants,
         })
     }
 
-    /// Bytes held: quants and scales (ggml's: 34 per Q8_0 block, 18 per Q4_0 block).
+    /// A (rows, cols) matrix from ggml's bytes for it: blocks of f16 `d` (and `m` for Q4_1)
+    /// followed by the quants, as GGUF files store them. `None` when the sizes disagree.
+    pub fn from_ggml(format: Format, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
+        let per_block = format.quant_bytes();
+        let block_bytes = 2 * format.halves() + per_block;
+        let blocks = (rows * cols) / BLOCK;
+        if cols == 0 || !cols.is_multiple_of(BLOCK) || bytes.len() != blocks * block_bytes {
+            return None;
+        }
+        let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
+        let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::new());
+        let mut quants = Vec::with_capacity(blocks * per_block);
+        for block in bytes.chunks_exact(block_bytes) {
+            scales.push(half(block));
+            if format == Format::Q4_1 {
+                mins.push(half(&block[2..]));
+            }
+            quants.extend_from_slice(&block[2 * format.halves()..]);
+        }
+        Some(Self {
+            format,
+            rows,
+            cols,
+            scales,
+            mins,
+            quants,
+        })
+    }
+
+    /// Bytes held: quants, scales and minimums (ggml's: 34 per Q8_0 block, 18 per Q4_0
+    /// block, 20 per Q4_1 block).
     pub fn bytes(&self) -> usize {
-        self.quants.len() + 2 * self.scales.len()
+        self.quants.len() + 2 * (self.scales.len() + self.mins.len())
     }
 
     /// The weights back in f32 (tests, and a reference).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
         for b in 0..self.scales.len() {
-            let d = self.scales[b].to_f32();
-            out.extend((0..BLOCK).map(|i| d * self.quant(b, i) as f32));
+            let (d, m) = (self.scales[b].to_f32(), self.min(b));
+            out.extend((0..BLOCK).map(|i| d * self.quant(b, i) as f32 + m));
         }
         out
+    }
+
+    /// Block `b`'s minimum (0 but for Q4_1).
+    fn min(&self, b: usize) -> f32 {
+        self.mins.get(b).map_or(0.0, |m| m.to_f32())
     }
 
     /// The integer value of weight `i` of block `b`.
     fn quant(&self, b: usize, i: usize) -> i32 {
         match self.format {
             Format::Q8_0 => self.quants[b * BLOCK + i] as i8 as i32,
-            Format::Q4_0 => {
+            Format::Q4_0 | Format::Q4_1 => {
                 let byte = self.quants[b * BLOCK / 2 + i % 16];
                 let nibble = if i < 16 { byte & 0x0F } else { byte >> 4 };
-                nibble as i32 - 8
+                let offset = if self.format == Format::Q4_0 { 8 } else { 0 };
+                nibble as i32 - offset
             }
         }
     }
@@ -151,16 +214,20 @@ impl QRows {
     /// Quantizes each row of `x` (rows of `cols`) to Q8_0 blocks.
     pub fn quantize(x: &[f32], cols: usize) -> Self {
         let mut quants = vec![0u8; x.len()];
-        let scales = x
+        let scales: Vec<f32> = x
             .chunks_exact(BLOCK)
             .zip(quants.chunks_exact_mut(BLOCK))
             .map(|(x, q)| quantize_q8(x, q))
             .collect();
         // Two's complement bytes read as i8.
-        let quants = quants.into_iter().map(|b| b as i8).collect();
+        let quants: Vec<i8> = quants.into_iter().map(|b| b as i8).collect();
+        let sums = (quants.chunks_exact(BLOCK).zip(&scales))
+            .map(|(q, d)| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
+            .collect();
         Self {
             cols,
             scales,
+            sums,
             quants,
         }
     }
@@ -191,6 +258,20 @@ fn quantize_q4(x: &[f32], q: &mut [u8]) -> f32 {
     d
 }
 
+/// Q4_1 of one block into `q` (16 bytes), as ggml's `quantize_row_q4_1_ref`; returns
+/// (d, m).
+fn quantize_q4_1(x: &[f32], q: &mut [u8]) -> (f32, f32) {
+    let min = x.iter().fold(f32::MAX, |m, &v| m.min(v));
+    let max = x.iter().fold(f32::MIN, |m, &v| m.max(v));
+    let d = (max - min) / 15.0;
+    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let level = |v: f32| (((v - min) * inv + 0.5) as i32).min(15) as u8;
+    for i in 0..BLOCK / 2 {
+        q[i] = level(x[i]) | (level(x[i + BLOCK / 2]) << 4);
+    }
+    (d, min)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,7 +292,7 @@ mod tests {
     fn product_equals_the_dequantized_integer_dot() {
         let (rows, cols, m) = (37, 96, 7);
         let (w, x) = (data(rows * cols, 1), data(m * cols, 2));
-        for format in [Format::Q8_0, Format::Q4_0] {
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
             let q = QWeight::quantize(format, &w, cols).unwrap();
             let xq = QRows::quantize(&x, cols);
             let mut y = vec![0f32; m * rows];
@@ -226,6 +307,7 @@ mod tests {
                                 .map(|j| q.quant(wb, j) * xq.quants[xb * BLOCK + j] as i32)
                                 .sum();
                             q.scales[wb].to_f32() * xq.scales[xb] * dot as f32
+                                + q.min(wb) * xq.sums[xb]
                         })
                         .sum();
                     let got = y[i * rows + r];
@@ -242,8 +324,35 @@ mod tests {
                 .zip(&back)
                 .fold(0f32, |a, (u, v)| a.max((u - v).abs()));
             // Half a step, and Q4_0 clamps the top of the range at 7·d: one step.
-            let bound = if format == Format::Q8_0 { 0.005 } else { 0.13 };
+            let bound = match format {
+                Format::Q8_0 => 0.005,
+                Format::Q4_0 => 0.13,
+                Format::Q4_1 => 0.07,
+            };
             assert!(err < bound, "{format:?}: max error {err}");
+        }
+    }
+
+    /// ggml's bytes for a matrix read back are the same matrix.
+    #[test]
+    fn from_ggml_reads_what_ggml_writes() {
+        let (rows, cols) = (3, 64);
+        let w = data(rows * cols, 3);
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            let q = QWeight::quantize(format, &w, cols).unwrap();
+            let mut bytes = Vec::new();
+            for b in 0..q.scales.len() {
+                bytes.extend(q.scales[b].to_le_bytes());
+                if let Some(m) = q.mins.get(b) {
+                    bytes.extend(m.to_le_bytes());
+                }
+                let n = format.quant_bytes();
+                bytes.extend(&q.quants[b * n..(b + 1) * n]);
+            }
+            let back = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+            assert_eq!(back.dequantize(), q.dequantize(), "{format:?}");
+            assert_eq!(back.bytes(), bytes.len());
+            assert!(QWeight::from_ggml(format, rows, cols, &bytes[1..]).is_none());
         }
     }
 }

@@ -1,28 +1,41 @@
 //! One row of a block-format weight against one Q8_0 row of x: AVX2 (+ FMA) where the CPU
 //! has it (`Isa`), NEON on aarch64 (`arm`: `sdot` where the CPU has `dotprod`), a scalar
-//! loop elsewhere.
+//! loop elsewhere. Q4_1's minimums add `m_w · d_x · Σ x_q` per block, outside the integer
+//! products ([`minimums`]).
 
 use super::{Format, QRows, QWeight, BLOCK};
 #[cfg(target_arch = "aarch64")]
 use crate::model::linear::simd::{Isa, IsaKind};
 
 /// `Σ_b d_w[b] · d_x[b] · Σ_j w[b, j] · x[b, j]` over the blocks of weight row `r` and row
-/// `i` of x.
+/// `i` of x (plus [`minimums`]).
 pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
         if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
             // SAFETY: Isa::current() says this CPU has AVX2 and FMA.
-            return unsafe { x86::dot(w, r, x, i) };
+            return unsafe { x86::dot(w, r, x, i) } + minimums(w, r, x, i);
         }
     }
     #[cfg(target_arch = "aarch64")]
     if Isa::current().kind() == IsaKind::Neon {
         // SAFETY: r and i are rows of w and x (the caller's loop); NEON is checked (`Isa`).
-        return unsafe { arm::dot(w, r, x, i) };
+        return unsafe { arm::dot(w, r, x, i) } + minimums(w, r, x, i);
     }
-    scalar(w, r, x, i)
+    scalar(w, r, x, i) + minimums(w, r, x, i)
+}
+
+/// `Σ_b m_w[b] · d_x[b] · Σ_j x[b, j]`: what Q4_1's minimums add to a row's dot product (0
+/// for the other formats, which have none).
+fn minimums(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+    let blocks = w.cols / BLOCK;
+    match w.mins.get(r * blocks..(r + 1) * blocks) {
+        Some(mins) => (mins.iter().zip(&x.sums[i * blocks..(i + 1) * blocks]))
+            .map(|(m, s)| m.to_f32() * s)
+            .sum(),
+        None => 0.0,
+    }
 }
 
 /// [`dot`] for rows `i0..i0 + 4` of x: each weight block is loaded (and its nibbles
@@ -33,15 +46,17 @@ pub fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
         use crate::model::linear::simd::{Isa, IsaKind};
         if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
             // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
-            return unsafe { x86::dot4(w, r, x, i0) };
+            let dots = unsafe { x86::dot4(w, r, x, i0) };
+            return std::array::from_fn(|j| dots[j] + minimums(w, r, x, i0 + j));
         }
     }
     #[cfg(target_arch = "aarch64")]
     if Isa::current().kind() == IsaKind::Neon {
         // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
-        return unsafe { arm::dot4(w, r, x, i0) };
+        let dots = unsafe { arm::dot4(w, r, x, i0) };
+        return std::array::from_fn(|j| dots[j] + minimums(w, r, x, i0 + j));
     }
-    std::array::from_fn(|j| scalar(w, r, x, i0 + j))
+    std::array::from_fn(|j| scalar(w, r, x, i0 + j) + minimums(w, r, x, i0 + j))
 }
 
 fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
@@ -56,11 +71,13 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
                     .zip(xs)
                     .map(|(&a, &b)| a as i8 as i32 * b as i32)
                     .sum(),
-                Format::Q4_0 => {
+                Format::Q4_0 | Format::Q4_1 => {
                     let q = &w.quants[wb * BLOCK / 2..(wb + 1) * BLOCK / 2];
+                    let offset = if w.format == Format::Q4_0 { 8 } else { 0 };
                     (0..BLOCK / 2)
                         .map(|j| {
-                            let (lo, hi) = ((q[j] & 0x0F) as i32 - 8, (q[j] >> 4) as i32 - 8);
+                            let lo = (q[j] & 0x0F) as i32 - offset;
+                            let hi = (q[j] >> 4) as i32 - offset;
                             lo * xs[j] as i32 + hi * xs[j + BLOCK / 2] as i32
                         })
                         .sum()
@@ -93,12 +110,14 @@ mod x86 {
                 _mm256_loadu_si256(w.quants.as_ptr().add((r * blocks + b) * BLOCK) as *const __m256i)
             },
             // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
-            Format::Q4_0 => unsafe {
+            Format::Q4_0 | Format::Q4_1 => unsafe {
                 let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
                 let v = _mm_loadu_si128(p as *const __m128i);
                 let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
                 let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-                _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8))
+                // Q4_1's are 0..=15 as they stand (its minimum is added apart).
+                let offset = if w.format == Format::Q4_0 { 8 } else { 0 };
+                _mm256_sub_epi8(nibbles, _mm256_set1_epi8(offset))
             },
         }
     }
@@ -170,5 +189,37 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector forms (where the CPU has them) equal the scalar loop, block by block.
+    #[test]
+    fn vector_forms_equal_the_scalar_loop() {
+        let (rows, cols, m) = (5, 128, 6);
+        let wave =
+            |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * s).sin()).collect() };
+        let (w, x) = (wave(rows * cols, 0.37), wave(m * cols, 0.91));
+        let xq = QRows::quantize(&x, cols);
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            let q = QWeight::quantize(format, &w, cols).unwrap();
+            for r in 0..rows {
+                let four = dot4(&q, r, &xq, 1);
+                for i in 0..m {
+                    let want = scalar(&q, r, &xq, i) + minimums(&q, r, &xq, i);
+                    let got = dot(&q, r, &xq, i);
+                    assert!(
+                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{format:?}"
+                    );
+                    if (1..5).contains(&i) {
+                        assert!((four[i - 1] - want).abs() <= 1e-4 * want.abs().max(1.0));
+                    }
+                }
+            }
+        }
     }
 }

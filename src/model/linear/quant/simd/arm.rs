@@ -68,13 +68,14 @@ unsafe fn weights(w: &QWeight, r: usize, b: usize) -> [int8x16_t; 2] {
             [vld1q_s8(p), vld1q_s8(p.add(16))]
         },
         // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
-        Format::Q4_0 => unsafe {
+        Format::Q4_0 | Format::Q4_1 => unsafe {
             let v = vld1q_u8(w.quants.as_ptr().add(at * BLOCK / 2));
             let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v));
-            let eight = vdupq_n_s8(8);
+            // Q4_1's are 0..=15 as they stand (its minimum is added apart).
+            let offset = vdupq_n_s8(if w.format == Format::Q4_0 { 8 } else { 0 });
             [
-                vsubq_s8(vreinterpretq_s8_u8(lo), eight),
-                vsubq_s8(vreinterpretq_s8_u8(hi), eight),
+                vsubq_s8(vreinterpretq_s8_u8(lo), offset),
+                vsubq_s8(vreinterpretq_s8_u8(hi), offset),
             ]
         },
     }
@@ -228,7 +229,7 @@ mod tests {
         let (rows, cols, m) = (7, 5 * BLOCK, 6);
         let (w, x) = (data(rows * cols, 1), data(m * cols, 2));
         let xq = QRows::quantize(&x, cols);
-        for format in [Format::Q8_0, Format::Q4_0] {
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
             let q = QWeight::quantize(format, &w, cols).unwrap();
             for (r, i) in (0..rows).flat_map(|r| (0..m).map(move |i| (r, i))) {
                 let want = super::super::scalar(&q, r, &xq, i);
