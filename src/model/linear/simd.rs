@@ -1,7 +1,7 @@
 //! Kernels for `y[m, r] = Σ_k x[m, k] · W[r, k]` over a slice of the rows of `W` (row-major,
 //! width `k`) and one or more rows of `x`, with f32 weights or bf16 weights (raw `u16` bits,
 //! widened to f32 in registers). Three instruction sets, chosen once at run time ([`Isa`],
-//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA ([`x86`]), and a
+//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA (+ F16C) ([`x86`]), and a
 //! portable scalar loop, the tests' reference. Accumulation is always in f32. Weights are
 //! prefetched ahead of the loads; on AVX-512 a tile of 4 weight rows × 4 rows of x stays in
 //! registers, so a prompt chunk reads each weight row once.
@@ -101,7 +101,10 @@ impl Isa {
 fn cpu_has(kind: IsaKind) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        // F16C (f16 scales of the block formats) came with or before AVX2 on every CPU.
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         match kind {
             IsaKind::Scalar => true,
             IsaKind::Avx2 => avx2,
