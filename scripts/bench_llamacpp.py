@@ -29,7 +29,8 @@ usage (after scripts/llamacpp_build.sh):
   LLAMACPP_PYTHON=target/venv-llamacpp/bin/python scripts/bench_llamacpp.py \
       [--model target/models/smollm2-135m-instruct] [--bf16-model DIR] [--name smollm2-135m]
       [--dtypes f32,bf16,q8_0,q4_0] [--rounds 5] [--prompt-tokens 32] [--new-tokens 128]
-      [--prefill 512,2000] [--long 2000] [--perplexity] [--ppl-file FILE] [--skip-speed]
+      [--prefill 512,2000] [--long 2000] [--perplexity] [--ppl-file FILE] [--ppl-chars N]
+      [--skip-speed] [--omp-passive]
 LLAMACPP_PYTHON needs torch, transformers and sentencepiece (scripts/requirements-llamacpp.txt;
 default target/venv-llamacpp/bin/python). A 1B-class shape (random weights, SmolLM2's
 tokenizer, which the converter needs, copied from --tokenizer-from):
@@ -58,6 +59,7 @@ LLAMA_BIN = os.path.join(T, "llama.cpp", "build", "bin")
 OURS = os.environ.get("TINY_DECODER_BIN", os.path.join(ROOT, "target", "release", "tiny-decoder"))
 PY = os.environ.get("LLAMACPP_PYTHON", os.path.join(T, "venv-llamacpp", "bin", "python"))
 ENV = dict(os.environ, RAYON_NUM_THREADS="2")
+LLAMA_ENV = dict(ENV)  # --omp-passive adds OMP_WAIT_POLICY
 GGUF_TYPE = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -123,7 +125,7 @@ def make_ggufs(model, name, dtypes, tokenizer_from):
 
 def run_llama(gguf, p, n, depth=0):
     out = sh([os.path.join(LLAMA_BIN, "llama-bench"), "-m", gguf, "-t", "2", "-r", "1",
-              "-p", str(p), "-n", str(n), "-d", str(depth), "-o", "json"])
+              "-p", str(p), "-n", str(n), "-d", str(depth), "-o", "json"], env=LLAMA_ENV)
     res = {}
     for t in json.loads(out):
         key = "prefill_tokens_per_s" if t["n_prompt"] > 0 else "decode_tokens_per_s"
@@ -189,7 +191,7 @@ def perplexity(a, ggufs):
     for d in [d for d in ("f32", "q8_0", "q4_0") if d in a.dtypes]:
         out = subprocess.run([os.path.join(LLAMA_BIN, "llama-perplexity"), "-m", ggufs[d], "-f",
                               a.ppl_file, "-c", "512", "-b", "512", "-t", "2"],
-                             capture_output=True, text=True, env=ENV)
+                             capture_output=True, text=True, env=LLAMA_ENV)
         m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
         if not m:
             sys.exit(f"llama-perplexity on {ggufs[d]} printed no estimate:\n{out.stderr[-2000:]}")
@@ -223,7 +225,12 @@ def main():
     p.add_argument("--perplexity", action="store_true")
     p.add_argument("--ppl-file", default=os.path.join(ROOT, "tests", "data",
                                                        "shakespeare-heldout.txt"))
+    p.add_argument("--ppl-chars", type=int, default=0,
+                   help="score only the file's first N characters (0: all)")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="OMP_WAIT_POLICY=passive for llama.cpp (a loaded host: its spinning "
+                   "OpenMP threads otherwise collapse, e.g. q4_0 decode 4 vs 60 tok/s)")
     a = p.parse_args()
     a.dtypes = a.dtypes.split(",")
     if a.bf16_model is None and os.path.isdir(a.model.rstrip("/") + "-bf16"):
@@ -231,6 +238,14 @@ def main():
     a.prefill = [int(x) for x in a.prefill.split(",") if x]
     a.long = [int(x) for x in a.long.split(",") if x]
     subprocess.run([os.path.join(ROOT, "scripts", "llamacpp_build.sh")], check=True)
+    if a.omp_passive:
+        LLAMA_ENV["OMP_WAIT_POLICY"] = "passive"
+    if a.ppl_chars:
+        with open(a.ppl_file, encoding="utf-8") as f:
+            text = f.read()[:a.ppl_chars]
+        a.ppl_file = os.path.join(T, f"ppl-{a.ppl_chars}-" + os.path.basename(a.ppl_file))
+        with open(a.ppl_file, "w", encoding="utf-8") as f:
+            f.write(text)
     ggufs, facts = make_ggufs(a.model, a.name, a.dtypes, a.tokenizer_from)
     for d in a.dtypes:
         print(f"{d}: {os.path.basename(ggufs[d])} tensors {facts[d]['types']} "
@@ -241,7 +256,9 @@ def main():
     report = {"date": started.isoformat(timespec="seconds"), "host": platform.node(),
               "cpu": cpu_name(), "load_start": load_start, "rounds": a.rounds,
               "llama_cpp": f"llama-cpp-python {LLAMA_VERSION} sdist (vendor/llama.cpp)",
-              "ours": OURS, "model": a.model, "gguf": facts}
+              "ours": OURS, "model": a.model, "gguf": facts,
+              "llama_omp_wait_policy": LLAMA_ENV.get("OMP_WAIT_POLICY", "(default)"),
+              "ppl_file": a.ppl_file}
     if not a.skip_speed:
         print("\n| case | dtype | tok/s | ours median (min-max) | llama.cpp median (min-max) "
               "| ours / llama.cpp |\n|---|---|---|---|---|---|")
