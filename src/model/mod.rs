@@ -117,6 +117,17 @@ impl Transformer {
         })
     }
 
+    /// Bytes of the embedding table a decode step does not read (it reads one row): all of
+    /// them, unless the LM head multiplies by that very table (tied and not quantized).
+    pub fn embedding_bytes_unread(&self) -> usize {
+        let table = self.embed_tokens.embeddings();
+        // A tied head is built on the table itself, until quantized into its own blocks.
+        match self.cfg.tie_word_embeddings && self.lm_head.weight().is_some() {
+            true => 0,
+            false => table.elem_count() * table.dtype().size_in_bytes(),
+        }
+    }
+
     /// The block format of the layers' projections, if quantized.
     pub fn quantization(&self) -> Option<GgmlDType> {
         self.quantized.map(|(q, _)| q)

@@ -124,7 +124,7 @@ impl CustomOp2 for MatVec {
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
-                match prefill::by_gemm(m, false) {
+                match prefill::by_gemm(m, Weights::F32(w)) {
                     true => prefill::product(x, k, Weights::F32(w), &mut y),
                     false => product(x, k, w, &mut y, simd::rows_f32_strided),
                 }
@@ -133,7 +133,7 @@ impl CustomOp2 for MatVec {
             (CpuStorage::F32(x), CpuStorage::BF16(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 let bits = bf16_bits(w);
-                match prefill::by_gemm(m, true) {
+                match prefill::by_gemm(m, Weights::Bf16(bits)) {
                     true => prefill::product(x, k, Weights::Bf16(bits), &mut y),
                     false => {
                         let x = simd::pair_layout(x, k, |v| v);
@@ -145,7 +145,7 @@ impl CustomOp2 for MatVec {
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 let bits = bf16_bits(w);
-                if prefill::by_gemm(m, true) {
+                if prefill::by_gemm(m, Weights::Bf16(bits)) {
                     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     prefill::product(&x, k, Weights::Bf16(bits), &mut y);
                 } else {

@@ -34,6 +34,7 @@
 
 mod widen;
 
+use super::quant::{self, QWeight};
 use super::simd::{Isa, IsaKind};
 use crate::model::pool::Pool;
 use gemm::{gemm, Parallelism};
@@ -51,11 +52,17 @@ const BF16_GEMM_ROWS: usize = 32;
 /// Chunks per pool thread, as in `matvec`: an idle thread can take over a descheduled one's.
 const CHUNKS_PER_THREAD: usize = 4;
 
-/// The weights of a product: f32 as stored, or bf16 as raw bits.
+/// From this many rows of x, products with block-format weights (`--dtype q8_0|q4_0`, a
+/// GGUF's blocks) go to `gemm` too, each block dequantized into the f32 buffer as bf16 is
+/// widened; below, our integer kernels (`quant`) run them.
+const BLOCKS_GEMM_ROWS: usize = 16;
+
+/// The weights of a product: f32 as stored, bf16 as raw bits, or in a block format.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
+    Blocks(&'a QWeight),
 }
 
 impl Weights<'_> {
@@ -63,6 +70,7 @@ impl Weights<'_> {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
+            Weights::Blocks(w) => w.rows * w.cols,
         }
     }
 }
@@ -78,11 +86,16 @@ thread_local! {
     static BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether a product with `m` rows of x and `bf16` (or f32) weights runs here rather than in
-/// the register tile: on AVX2 with enough rows (see the file's header).
-pub fn by_gemm(m: usize, bf16: bool) -> bool {
-    let rows = if bf16 { BF16_GEMM_ROWS } else { F32_GEMM_ROWS };
-    Isa::current().kind() == IsaKind::Avx2 && m >= rows
+/// Whether a product with `m` rows of x and weights `w` runs here rather than in the
+/// register tile: on AVX2 with enough rows (see the file's header); block formats on any
+/// CPU with AVX2.
+pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
+    let isa = Isa::current().kind();
+    match w {
+        Weights::F32(_) => isa == IsaKind::Avx2 && m >= F32_GEMM_ROWS,
+        Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,
+        Weights::Blocks(_) => isa >= IsaKind::Avx2 && m >= BLOCKS_GEMM_ROWS,
+    }
 }
 
 /// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), every operand dense and row-major.
@@ -140,14 +153,21 @@ unsafe fn chunk(
                 false,
             )
         },
-        Weights::Bf16(w) => BLOCK.with_borrow_mut(|buf| {
-            // Equal column blocks of at most BLOCK_K (576 is 2 × 288, not 512 + 64).
-            let width = k.div_ceil(k.div_ceil(BLOCK_K)).next_multiple_of(8);
+        Weights::Bf16(_) | Weights::Blocks(_) => BLOCK.with_borrow_mut(|buf| {
+            // Equal column blocks of at most BLOCK_K (576 is 2 × 288, not 512 + 64), whole
+            // blocks of a block format.
+            let width = k
+                .div_ceil(k.div_ceil(BLOCK_K))
+                .next_multiple_of(quant::BLOCK);
             for b0 in (r0..r1).step_by(BLOCK_ROWS) {
                 let rows = BLOCK_ROWS.min(r1 - b0);
                 for c0 in (0..k).step_by(width) {
                     let cols = width.min(k - c0);
-                    let block = widen::transposed(w, k, (b0, rows), (c0, cols), buf);
+                    let block = match w {
+                        Weights::Blocks(q) => q.dequantize_transposed((b0, rows), (c0, cols), buf),
+                        Weights::Bf16(w) => widen::transposed(w, k, (b0, rows), (c0, cols), buf),
+                        Weights::F32(_) => unreachable!("f32 weights are not copied"),
+                    };
                     // SAFETY: block is W[r, c] at c·rows + r for the block's rows × cols;
                     // x's columns c0..c0 + cols exist; y as above.
                     unsafe {

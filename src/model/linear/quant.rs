@@ -16,6 +16,7 @@
 
 mod simd;
 
+use super::prefill::{self, Weights};
 use crate::model::pool::Pool;
 use half::f16;
 
@@ -151,6 +152,61 @@ impl QWeight {
         out
     }
 
+    /// `W[r0 + r, c0 + c]` at `buf[c · rows + r]` for r < rows, c < cols (the layout `gemm`
+    /// reads, as `prefill`'s widened bf16); returns the `rows · cols` values written.
+    ///
+    /// # Panics
+    /// If the block is outside W or its columns are not whole blocks.
+    pub fn dequantize_transposed<'a>(
+        &self,
+        (r0, rows): (usize, usize),
+        (c0, cols): (usize, usize),
+        buf: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        assert!(
+            r0 + rows <= self.rows && c0 + cols <= self.cols && (c0 | cols) % BLOCK == 0,
+            "dequantize: block ({r0}+{rows}, {c0}+{cols}) is not whole blocks of {}x{}",
+            self.rows,
+            self.cols
+        );
+        if buf.len() < rows * cols {
+            buf.resize(rows * cols, 0.0);
+        }
+        let out = &mut buf[..rows * cols];
+        let per_row = self.cols / BLOCK;
+        let mut values = [0f32; BLOCK];
+        for r in 0..rows {
+            for cb in 0..cols / BLOCK {
+                let b = (r0 + r) * per_row + c0 / BLOCK + cb;
+                let (d, m) = (self.scales[b].to_f32(), self.min(b));
+                match self.format {
+                    Format::Q8_0 => {
+                        let q = &self.quants[b * BLOCK..(b + 1) * BLOCK];
+                        for (v, &q) in values.iter_mut().zip(q) {
+                            *v = d * (q as i8) as f32;
+                        }
+                    }
+                    Format::Q4_0 | Format::Q4_1 => {
+                        let q = &self.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                        let offset = if self.format == Format::Q4_0 {
+                            -8.0 * d
+                        } else {
+                            m
+                        };
+                        for (j, &q) in q.iter().enumerate() {
+                            values[j] = d * (q & 0x0F) as f32 + offset;
+                            values[j + BLOCK / 2] = d * (q >> 4) as f32 + offset;
+                        }
+                    }
+                }
+                for (j, &v) in values.iter().enumerate() {
+                    out[(cb * BLOCK + j) * rows + r] = v;
+                }
+            }
+        }
+        out
+    }
+
     /// Block `b`'s minimum (0 but for Q4_1).
     fn min(&self, b: usize) -> f32 {
         self.mins.get(b).map_or(0.0, |m| m.to_f32())
@@ -180,6 +236,9 @@ impl QWeight {
             self.rows,
             self.cols
         );
+        if prefill::by_gemm(m, Weights::Blocks(self)) {
+            return prefill::product(x, self.cols, Weights::Blocks(self), y);
+        }
         let xq = QRows::quantize(x, self.cols);
         let pool = Pool::global();
         let rows = self.rows.div_ceil(pool.threads() * 4).max(1);
@@ -330,6 +389,40 @@ mod tests {
                 Format::Q4_1 => 0.07,
             };
             assert!(err < bound, "{format:?}: max error {err}");
+        }
+    }
+
+    /// Prompt-sized products (on AVX2) dequantize blocks of W for `gemm`: they equal the f32
+    /// product with the dequantized weights (x is not quantized there).
+    #[test]
+    fn many_rows_equal_the_dequantized_f32_product() {
+        let (rows, cols, m) = (200, 576, 20);
+        let (w, x) = (data(rows * cols, 5), data(m * cols, 6));
+        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+            let q = QWeight::quantize(format, &w, cols).unwrap();
+            let dense = q.dequantize();
+            let mut y = vec![0f32; m * rows];
+            q.product(&x, &mut y);
+            for i in 0..m {
+                for r in 0..rows {
+                    let want: f32 = (0..cols)
+                        .map(|c| x[i * cols + c] * dense[r * cols + c])
+                        .sum();
+                    let got = y[i * rows + r];
+                    // Without AVX2 the integer kernels run, x quantized to 8 bits.
+                    let tol = match prefill::by_gemm(m, Weights::Blocks(&q)) {
+                        true => 1e-3 * want.abs().max(1.0),
+                        false => 0.2,
+                    };
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{format:?} {i} {r}: {got} vs {want}"
+                    );
+                }
+            }
+            let mut buf = Vec::new();
+            let t = q.dequantize_transposed((3, 5), (64, 32), &mut buf);
+            assert_eq!(t[2 * 5 + 1], dense[4 * cols + 66]);
         }
     }
 

@@ -1,11 +1,11 @@
 //! Kernels for `y[m, r] = Σ_k x[m, k] · W[r, k]` over a slice of the rows of `W` (row-major,
 //! width `k`) and one or more rows of `x`, with f32 weights or bf16 weights (raw `u16` bits,
 //! widened to f32 in registers). Four instruction sets, chosen once at run time ([`Isa`],
-//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA ([`x86`]), NEON on
-//! aarch64 (`arm`), and a portable scalar loop, the tests' reference. Accumulation is always
-//! in f32. Weights are prefetched ahead of the loads; on AVX-512 and NEON (32 registers) a
-//! tile of 4 weight rows × 4 rows of x stays in registers, so a prompt chunk reads each
-//! weight row once.
+//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA (+ F16C) ([`x86`]),
+//! NEON on aarch64 (`arm`), and a portable scalar loop, the tests' reference. Accumulation is
+//! always in f32. Weights are prefetched ahead of the loads; on AVX-512 and NEON (32
+//! registers) a tile of 4 weight rows × 4 rows of x stays in registers, so a prompt chunk
+//! reads each weight row once.
 //!
 //! bf16 weights are read in pairs: a 32-bit lane holding `W[r, 2i]` (low half) and
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
@@ -110,7 +110,10 @@ impl Isa {
 fn cpu_has(kind: IsaKind) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        // F16C (f16 scales of the block formats) came with or before AVX2 on every CPU.
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         match kind {
             IsaKind::Scalar => true,
             IsaKind::Neon => false,

@@ -1,41 +1,34 @@
 //! One row of a block-format weight against one Q8_0 row of x: AVX2 (+ FMA) where the CPU
 //! has it (`Isa`), NEON on aarch64 (`arm`: `sdot` where the CPU has `dotprod`), a scalar
-//! loop elsewhere. Q4_1's minimums add `m_w · d_x · Σ x_q` per block, outside the integer
-//! products ([`minimums`]).
+//! loop elsewhere.
+//!
+//! The integer products take the weights' stored integers as they are: Q8_0's signed
+//! bytes, and the 4-bit formats' nibbles q in 0..=15 (unsigned, so AVX2's `maddubs` takes
+//! them with no sign trick). What a nibble format adds to each block, `c · d_x · Σ x_q` with
+//! c = -8·d (Q4_0's w = d·(q - 8)) or c = m (Q4_1's w = d·q + m), is [`offsets`], from the
+//! x block's sum.
 
 use super::{Format, QRows, QWeight, BLOCK};
 #[cfg(target_arch = "aarch64")]
 use crate::model::linear::simd::{Isa, IsaKind};
 
-/// `Σ_b d_w[b] · d_x[b] · Σ_j w[b, j] · x[b, j]` over the blocks of weight row `r` and row
-/// `i` of x (plus [`minimums`]).
+/// `Σ_b d_w[b] · d_x[b] · Σ_j q_w[b, j] · x[b, j]` over the blocks of weight row `r` and row
+/// `i` of x, plus [`offsets`]: the row's dot product.
 pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
         if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
-            // SAFETY: Isa::current() says this CPU has AVX2 and FMA.
-            return unsafe { x86::dot(w, r, x, i) } + minimums(w, r, x, i);
+            // SAFETY: Isa::current() says this CPU has AVX2, FMA and F16C.
+            return unsafe { x86::dot(w, r, x, i) };
         }
     }
     #[cfg(target_arch = "aarch64")]
     if Isa::current().kind() == IsaKind::Neon {
         // SAFETY: r and i are rows of w and x (the caller's loop); NEON is checked (`Isa`).
-        return unsafe { arm::dot(w, r, x, i) } + minimums(w, r, x, i);
+        return unsafe { arm::dot(w, r, x, i) } + offsets(w, r, x, i);
     }
-    scalar(w, r, x, i) + minimums(w, r, x, i)
-}
-
-/// `Σ_b m_w[b] · d_x[b] · Σ_j x[b, j]`: what Q4_1's minimums add to a row's dot product (0
-/// for the other formats, which have none).
-fn minimums(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
-    let blocks = w.cols / BLOCK;
-    match w.mins.get(r * blocks..(r + 1) * blocks) {
-        Some(mins) => (mins.iter().zip(&x.sums[i * blocks..(i + 1) * blocks]))
-            .map(|(m, s)| m.to_f32() * s)
-            .sum(),
-        None => 0.0,
-    }
+    scalar(w, r, x, i) + offsets(w, r, x, i)
 }
 
 /// [`dot`] for rows `i0..i0 + 4` of x: each weight block is loaded (and its nibbles
@@ -46,17 +39,50 @@ pub fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
         use crate::model::linear::simd::{Isa, IsaKind};
         if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
             // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
-            let dots = unsafe { x86::dot4(w, r, x, i0) };
-            return std::array::from_fn(|j| dots[j] + minimums(w, r, x, i0 + j));
+            return unsafe { x86::dot4(w, r, x, i0) };
         }
     }
     #[cfg(target_arch = "aarch64")]
     if Isa::current().kind() == IsaKind::Neon {
         // SAFETY: as in `dot`; rows i0..i0 + 4 of x exist (the caller's loop).
         let dots = unsafe { arm::dot4(w, r, x, i0) };
-        return std::array::from_fn(|j| dots[j] + minimums(w, r, x, i0 + j));
+        return std::array::from_fn(|j| dots[j] + offsets(w, r, x, i0 + j));
     }
-    std::array::from_fn(|j| scalar(w, r, x, i0 + j) + minimums(w, r, x, i0 + j))
+    std::array::from_fn(|j| scalar(w, r, x, i0 + j) + offsets(w, r, x, i0 + j))
+}
+
+/// `Σ_b c[b] · d_x[b] · Σ_j x[b, j]`: what the nibble formats' offsets add to a row's dot
+/// product (`c` = -8·d for Q4_0, the minimum m for Q4_1; Q8_0 has none).
+fn offsets(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+    let blocks = w.cols / BLOCK;
+    let sums = &x.sums[i * blocks..(i + 1) * blocks];
+    let row = r * blocks..(r + 1) * blocks;
+    match w.format {
+        Format::Q8_0 => 0.0,
+        Format::Q4_0 => {
+            -8.0 * (w.scales[row].iter().zip(sums))
+                .map(|(d, s)| d.to_f32() * s)
+                .sum::<f32>()
+        }
+        Format::Q4_1 => (w.mins[row].iter().zip(sums))
+            .map(|(m, s)| m.to_f32() * s)
+            .sum(),
+    }
+}
+
+/// The stored integer of weight `j` of block `wb`: Q8_0's signed byte, a nibble's 0..=15.
+fn stored(w: &QWeight, wb: usize, j: usize) -> i32 {
+    match w.format {
+        Format::Q8_0 => w.quants[wb * BLOCK + j] as i8 as i32,
+        Format::Q4_0 | Format::Q4_1 => {
+            let byte = w.quants[wb * BLOCK / 2 + j % (BLOCK / 2)];
+            (if j < BLOCK / 2 {
+                byte & 0x0F
+            } else {
+                byte >> 4
+            }) as i32
+        }
+    }
 }
 
 fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
@@ -64,25 +90,8 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     (0..blocks)
         .map(|b| {
             let (wb, xb) = (r * blocks + b, i * blocks + b);
-            let xs = &x.quants[i * x.cols + b * BLOCK..][..BLOCK];
-            let sum: i32 = match w.format {
-                Format::Q8_0 => w.quants[wb * BLOCK..(wb + 1) * BLOCK]
-                    .iter()
-                    .zip(xs)
-                    .map(|(&a, &b)| a as i8 as i32 * b as i32)
-                    .sum(),
-                Format::Q4_0 | Format::Q4_1 => {
-                    let q = &w.quants[wb * BLOCK / 2..(wb + 1) * BLOCK / 2];
-                    let offset = if w.format == Format::Q4_0 { 8 } else { 0 };
-                    (0..BLOCK / 2)
-                        .map(|j| {
-                            let lo = (q[j] & 0x0F) as i32 - offset;
-                            let hi = (q[j] >> 4) as i32 - offset;
-                            lo * xs[j] as i32 + hi * xs[j + BLOCK / 2] as i32
-                        })
-                        .sum()
-                }
-            };
+            let xs = &x.quants[xb * BLOCK..(xb + 1) * BLOCK];
+            let sum: i32 = (0..BLOCK).map(|j| stored(w, wb, j) * xs[j] as i32).sum();
             w.scales[wb].to_f32() * x.scales[xb] * sum as f32
         })
         .sum()
@@ -96,11 +105,12 @@ mod x86 {
     use super::{Format, QRows, QWeight, BLOCK};
     use std::arch::x86_64::*;
 
-    /// Block `b` of weight row `r` as 32 signed bytes.
+    /// Block `b` of weight row `r` as 32 bytes, and whether they are signed (Q8_0) or
+    /// nibbles 0..=15.
     ///
     /// # Safety
     /// AVX2; block b of row r exists.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn weights(w: &QWeight, r: usize, b: usize) -> __m256i {
         let blocks = w.cols / BLOCK;
@@ -114,29 +124,38 @@ mod x86 {
                 let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
                 let v = _mm_loadu_si128(p as *const __m128i);
                 let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                let nibbles = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-                // Q4_1's are 0..=15 as they stand (its minimum is added apart).
-                let offset = if w.format == Format::Q4_0 { 8 } else { 0 };
-                _mm256_sub_epi8(nibbles, _mm256_set1_epi8(offset))
+                _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
             },
         }
     }
 
-    /// `acc + d · Σ w·x` over one block, as 8 partial sums: llama.cpp's mul_sum_i8_pairs,
-    /// |w| times sign(w)·x as unsigned × signed pairs, summed to 16 then 32 bits.
-    #[target_feature(enable = "avx2,fma")]
+    /// `acc + d · Σ u·s` over one block, as 8 partial sums, for unsigned bytes `u` (at most
+    /// 127, or 15 for nibbles, so the pair sums cannot saturate) and signed `s`: `maddubs`
+    /// to 16 bits, then pairs to 32.
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn block(wv: __m256i, xv: __m256i, d: f32, acc: __m256) -> __m256 {
-        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+    fn block(u: __m256i, s: __m256i, d: f32, acc: __m256) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(u, s);
         let sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), acc)
+    }
+
+    /// The two operands of [`block`] for weight bytes `wv` and x bytes `xv`: nibbles are
+    /// unsigned already; Q8_0 goes as |w| and sign(w)·x (llama.cpp's mul_sum_i8_pairs).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn operands(signed: bool, wv: __m256i, xv: __m256i) -> (__m256i, __m256i) {
+        match signed {
+            true => (_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)),
+            false => (wv, xv),
+        }
     }
 
     /// Block `b` of row `i` of x.
     ///
     /// # Safety
     /// AVX2; the block exists.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn activations(x: &QRows, i: usize, b: usize) -> __m256i {
         // SAFETY: the caller's bounds: 32 bytes at row i, block b.
@@ -145,44 +164,70 @@ mod x86 {
         }
     }
 
+    /// An f16 as f32 in two instructions (`half`'s conversion is a call per value).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn widen(h: half::f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
+    }
+
+    /// Block `wb`'s scale and offset (see [`super::offsets`]).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn scale_offset(w: &QWeight, wb: usize) -> (f32, f32) {
+        let d = widen(w.scales[wb]);
+        match w.format {
+            Format::Q8_0 => (d, 0.0),
+            Format::Q4_0 => (d, -8.0 * d),
+            Format::Q4_1 => (d, widen(w.mins[wb])),
+        }
+    }
+
     /// # Safety
-    /// AVX2 and FMA; `r` and `i` are rows of `w` and `x`, which have the same width.
-    #[target_feature(enable = "avx2,fma")]
+    /// AVX2, FMA and F16C; `r` and `i` are rows of `w` and `x`, which have the same width.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
         let blocks = w.cols / BLOCK;
         debug_assert_eq!(x.cols, w.cols);
-        let mut acc = _mm256_setzero_ps();
+        let signed = w.format == Format::Q8_0;
+        let (mut acc, mut offsets) = (_mm256_setzero_ps(), 0.0);
         for b in 0..blocks {
-            let d = w.scales[r * blocks + b].to_f32() * x.scales[i * blocks + b];
+            let (dw, c) = scale_offset(w, r * blocks + b);
+            let xb = i * blocks + b;
             // SAFETY: block b of row r of w and of row i of x exist.
             let (wv, xv) = unsafe { (weights(w, r, b), activations(x, i, b)) };
-            acc = block(wv, xv, d, acc);
+            let (u, s) = operands(signed, wv, xv);
+            acc = block(u, s, dw * x.scales[xb], acc);
+            offsets += c * x.sums[xb];
         }
-        hsum(acc)
+        hsum(acc) + offsets
     }
 
     /// # Safety
     /// As [`dot`], for rows `i0..i0 + 4` of x.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
         let blocks = w.cols / BLOCK;
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let signed = w.format == Format::Q8_0;
+        let (mut acc, mut offsets) = ([_mm256_setzero_ps(); 4], [0f32; 4]);
         for b in 0..blocks {
-            let dw = w.scales[r * blocks + b].to_f32();
+            let (dw, c) = scale_offset(w, r * blocks + b);
             // SAFETY: block b of row r of w exists.
             let wv = unsafe { weights(w, r, b) };
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let i = i0 + j;
-                // SAFETY: row i of x exists (the caller's bound).
-                let xv = unsafe { activations(x, i, b) };
-                *acc = block(wv, xv, dw * x.scales[i * blocks + b], *acc);
+            for j in 0..4 {
+                let xb = (i0 + j) * blocks + b;
+                // SAFETY: row i0 + j of x exists (the caller's bound).
+                let xv = unsafe { activations(x, i0 + j, b) };
+                let (u, s) = operands(signed, wv, xv);
+                acc[j] = block(u, s, dw * x.scales[xb], acc[j]);
+                offsets[j] += c * x.sums[xb];
             }
         }
-        acc.map(|a| hsum(a))
+        std::array::from_fn(|j| hsum(acc[j]) + offsets[j])
     }
 
     /// The sum of the 8 lanes.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     fn hsum(acc: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -209,7 +254,7 @@ mod tests {
             for r in 0..rows {
                 let four = dot4(&q, r, &xq, 1);
                 for i in 0..m {
-                    let want = scalar(&q, r, &xq, i) + minimums(&q, r, &xq, i);
+                    let want = scalar(&q, r, &xq, i) + offsets(&q, r, &xq, i);
                     let got = dot(&q, r, &xq, i);
                     assert!(
                         (got - want).abs() <= 1e-4 * want.abs().max(1.0),

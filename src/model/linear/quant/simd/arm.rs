@@ -1,6 +1,7 @@
-//! The NEON forms of [`super::dot`] and [`super::dot4`] (aarch64): each block's 32 weights
-//! as signed bytes against 32 bytes of a Q8_0 row of x, summed in 32-bit integers, then
-//! scaled in f32. With the `dotprod` extension (Armv8.2+, asked of the CPU at run time) by
+//! The NEON forms of [`super::dot`] and [`super::dot4`] (aarch64), without the offsets the
+//! caller adds: each block's 32 stored integers (Q8_0's signed bytes, the nibble formats'
+//! 0..=15) as signed bytes against 32 bytes of a Q8_0 row of x, summed in 32-bit integers,
+//! then scaled in f32. With the `dotprod` extension (Armv8.2+, asked of the CPU at run time) by
 //! `sdot`, as llama.cpp's `vdotq_s32` (the intrinsic is not stable in Rust, so one
 //! instruction of inline assembly); without it by `vmull_s8` and `vpadalq_s16`, the
 //! products widened to 16 bits and added pairwise into 32. Tested under qemu-user against
@@ -53,7 +54,7 @@ impl BlockDot for Sdot {
     }
 }
 
-/// Block `b` of weight row `r` as 32 signed bytes.
+/// Block `b` of weight row `r`'s stored integers as 32 signed bytes.
 ///
 /// # Safety
 /// Block b of row r exists.
@@ -67,16 +68,12 @@ unsafe fn weights(w: &QWeight, r: usize, b: usize) -> [int8x16_t; 2] {
             let p = w.quants.as_ptr().add(at * BLOCK) as *const i8;
             [vld1q_s8(p), vld1q_s8(p.add(16))]
         },
-        // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
+        // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31. They stay
+        // 0..=15 (signed bytes all the same): Q4_0's -8 and Q4_1's minimum are `offsets`.
         Format::Q4_0 | Format::Q4_1 => unsafe {
             let v = vld1q_u8(w.quants.as_ptr().add(at * BLOCK / 2));
             let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v));
-            // Q4_1's are 0..=15 as they stand (its minimum is added apart).
-            let offset = vdupq_n_s8(if w.format == Format::Q4_0 { 8 } else { 0 });
-            [
-                vsubq_s8(vreinterpretq_s8_u8(lo), offset),
-                vsubq_s8(vreinterpretq_s8_u8(hi), offset),
-            ]
+            [vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi)]
         },
     }
 }
