@@ -87,14 +87,16 @@ thread_local! {
 }
 
 /// Whether a product with `m` rows of x and weights `w` runs here rather than in the
-/// register tile: on AVX2 with enough rows (see the file's header); block formats on any
-/// CPU with AVX2.
+/// register tile: on AVX2 with enough rows (see the file's header); block formats on
+/// AVX2 and AVX-512 (on NEON they stay on the integer dots: untimed there).
 pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
     let isa = Isa::current().kind();
     match w {
         Weights::F32(_) => isa == IsaKind::Avx2 && m >= F32_GEMM_ROWS,
         Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,
-        Weights::Blocks(_) => isa >= IsaKind::Avx2 && m >= BLOCKS_GEMM_ROWS,
+        Weights::Blocks(_) => {
+            matches!(isa, IsaKind::Avx2 | IsaKind::Avx512) && m >= BLOCKS_GEMM_ROWS
+        }
     }
 }
 
