@@ -112,5 +112,8 @@ fn eval_memory_does_not_grow_with_the_file() {
         "peak RSS grew from {short} to {long} bytes with the file"
     );
     // A whole-window forward would hold 4 heads × 4096² scores per layer (268 MB) at once.
-    assert!(long < 200 << 20, "peak RSS {long} bytes");
+    // A CUDA build loads cuBLAS and the other CUDA libraries at start, even to run on CPU:
+    // 367 MB peak for one 4096-token window in such a build (2-core host, no GPU).
+    let libraries: u64 = if cfg!(feature = "cuda") { 256 << 20 } else { 0 };
+    assert!(long < (200 << 20) + libraries, "peak RSS {long} bytes");
 }

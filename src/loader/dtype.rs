@@ -1,7 +1,7 @@
 //! `--dtype` and `--device`: what the user asked for, and `auto`, the checkpoint's own dtype
 //! resolved against what this device runs well.
 
-use crate::error::{Error, Result};
+use crate::error::{candle_message, Error, Result};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 
@@ -100,7 +100,12 @@ pub fn parse_device(s: &str) -> Result<Device> {
         "cuda" if !candle_core::utils::cuda_is_available() => Err(Error::Invalid(
             "--device cuda: this build has no CUDA support (rebuild with --features cuda)".into(),
         )),
-        "cuda" => Ok(Device::new_cuda(0)?),
+        "cuda" => Device::new_cuda(0).map_err(|e| {
+            Error::Invalid(format!(
+                "--device cuda: no usable CUDA device 0 ({}); use --device cpu",
+                candle_message(&e)
+            ))
+        }),
         other => Err(Error::Invalid(format!(
             "unknown --device {other:?} (cpu, cuda)"
         ))),

@@ -14,7 +14,7 @@ pub mod quant;
 pub mod simd;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use quant::{Format, QWeight};
 use simd::Isa;
@@ -278,16 +278,21 @@ impl Module for Linear {
                 }
                 Tensor::from_vec(y, dims, &candle_core::Device::Cpu)?.to_dtype(dtype)?
             }
-            // candle's CPU kernels take f32 rows (our activations on CPU, `activation_dtype`).
+            // candle's kernels are given (rows, K) in f32 on every device: its CPU kernels
+            // take f32 rows, and on CUDA the product it falls back to, for shapes its fast
+            // kernels do not take, reads only f32 in (M, K) or (B, M, K).
             Weight::Quantized(q) => {
-                let dtype = x.dtype();
-                let x = match x.device().is_cpu() {
-                    true => x.to_dtype(DType::F32)?,
-                    false => x.clone(),
-                };
-                x.contiguous()?
+                let (n, _) = q.shape().dims2()?;
+                let mut dims = x.dims().to_vec();
+                if let Some(last) = dims.last_mut() {
+                    *last = n;
+                }
+                x.flatten_to(D::Minus2)? // (rows, K)
+                    .to_dtype(DType::F32)?
+                    .contiguous()?
                     .apply_op1_no_bwd(q.as_ref())?
-                    .to_dtype(dtype)?
+                    .to_dtype(x.dtype())?
+                    .reshape(dims)?
             }
         };
         match &self.bias {
