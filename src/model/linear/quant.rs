@@ -144,12 +144,9 @@ impl QWeight {
 
     /// The weights back in f32 (tests, and a reference).
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.rows * self.cols);
-        for b in 0..self.scales.len() {
-            let (d, m) = (self.scales[b].to_f32(), self.min(b));
-            out.extend((0..BLOCK).map(|i| d * self.quant(b, i) as f32 + m));
-        }
-        out
+        (0..self.scales.len())
+            .flat_map(|b| self.values(b))
+            .collect()
     }
 
     /// `W[r0 + r, c0 + c]` at `buf[c · rows + r]` for r < rows, c < cols (the layout `gemm`
@@ -174,33 +171,38 @@ impl QWeight {
         }
         let out = &mut buf[..rows * cols];
         let per_row = self.cols / BLOCK;
-        let mut values = [0f32; BLOCK];
         for r in 0..rows {
             for cb in 0..cols / BLOCK {
-                let b = (r0 + r) * per_row + c0 / BLOCK + cb;
-                let (d, m) = (self.scales[b].to_f32(), self.min(b));
-                match self.format {
-                    Format::Q8_0 => {
-                        let q = &self.quants[b * BLOCK..(b + 1) * BLOCK];
-                        for (v, &q) in values.iter_mut().zip(q) {
-                            *v = d * (q as i8) as f32;
-                        }
-                    }
-                    Format::Q4_0 | Format::Q4_1 => {
-                        let q = &self.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
-                        let offset = if self.format == Format::Q4_0 {
-                            -8.0 * d
-                        } else {
-                            m
-                        };
-                        for (j, &q) in q.iter().enumerate() {
-                            values[j] = d * (q & 0x0F) as f32 + offset;
-                            values[j + BLOCK / 2] = d * (q >> 4) as f32 + offset;
-                        }
-                    }
-                }
-                for (j, &v) in values.iter().enumerate() {
+                let values = self.values((r0 + r) * per_row + c0 / BLOCK + cb);
+                for (j, v) in values.into_iter().enumerate() {
                     out[(cb * BLOCK + j) * rows + r] = v;
+                }
+            }
+        }
+        out
+    }
+
+    /// Block `b`'s 32 weights in f32: `d · q + c`, with c = -8·d for Q4_0 and the minimum
+    /// for Q4_1 (the one decoding of a block; the kernels keep q as integers instead).
+    fn values(&self, b: usize) -> [f32; BLOCK] {
+        let d = self.scales[b].to_f32();
+        let mut out = [0f32; BLOCK];
+        match self.format {
+            Format::Q8_0 => {
+                let q = &self.quants[b * BLOCK..(b + 1) * BLOCK];
+                for (v, &q) in out.iter_mut().zip(q) {
+                    *v = d * (q as i8) as f32;
+                }
+            }
+            Format::Q4_0 | Format::Q4_1 => {
+                let c = match self.format {
+                    Format::Q4_0 => -8.0 * d,
+                    _ => self.min(b),
+                };
+                let q = &self.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                for (j, &q) in q.iter().enumerate() {
+                    out[j] = d * (q & 0x0F) as f32 + c;
+                    out[j + BLOCK / 2] = d * (q >> 4) as f32 + c;
                 }
             }
         }
@@ -212,7 +214,8 @@ impl QWeight {
         self.mins.get(b).map_or(0.0, |m| m.to_f32())
     }
 
-    /// The integer value of weight `i` of block `b`.
+    /// The signed integer value of weight `i` of block `b` (the tests' reference).
+    #[cfg(test)]
     fn quant(&self, b: usize, i: usize) -> i32 {
         match self.format {
             Format::Q8_0 => self.quants[b * BLOCK + i] as i8 as i32,
@@ -332,120 +335,4 @@ fn quantize_q4_1(x: &[f32], q: &mut [u8]) -> (f32, f32) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32
-                    / 1000.0
-                    - 1.0
-            })
-            .collect()
-    }
-
-    /// The kernel (AVX2 where the CPU has it) equals the integer dot product written out,
-    /// for both formats, several rows of x and a ragged pool split.
-    #[test]
-    fn product_equals_the_dequantized_integer_dot() {
-        let (rows, cols, m) = (37, 96, 7);
-        let (w, x) = (data(rows * cols, 1), data(m * cols, 2));
-        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
-            let q = QWeight::quantize(format, &w, cols).unwrap();
-            let xq = QRows::quantize(&x, cols);
-            let mut y = vec![0f32; m * rows];
-            q.product(&x, &mut y);
-            for i in 0..m {
-                for r in 0..rows {
-                    let want: f32 = (0..cols / BLOCK)
-                        .map(|b| {
-                            let wb = r * cols / BLOCK + b;
-                            let xb = i * cols / BLOCK + b;
-                            let dot: i32 = (0..BLOCK)
-                                .map(|j| q.quant(wb, j) * xq.quants[xb * BLOCK + j] as i32)
-                                .sum();
-                            q.scales[wb].to_f32() * xq.scales[xb] * dot as f32
-                                + q.min(wb) * xq.sums[xb]
-                        })
-                        .sum();
-                    let got = y[i * rows + r];
-                    assert!(
-                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                        "{format:?} {i} {r}: {got} vs {want}"
-                    );
-                }
-            }
-            // And the dequantized weights are close to the originals.
-            let back = q.dequantize();
-            let err = w
-                .iter()
-                .zip(&back)
-                .fold(0f32, |a, (u, v)| a.max((u - v).abs()));
-            // Half a step, and Q4_0 clamps the top of the range at 7·d: one step.
-            let bound = match format {
-                Format::Q8_0 => 0.005,
-                Format::Q4_0 => 0.13,
-                Format::Q4_1 => 0.07,
-            };
-            assert!(err < bound, "{format:?}: max error {err}");
-        }
-    }
-
-    /// Prompt-sized products (on AVX2) dequantize blocks of W for `gemm`: they equal the f32
-    /// product with the dequantized weights (x is not quantized there).
-    #[test]
-    fn many_rows_equal_the_dequantized_f32_product() {
-        let (rows, cols, m) = (200, 576, 20);
-        let (w, x) = (data(rows * cols, 5), data(m * cols, 6));
-        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
-            let q = QWeight::quantize(format, &w, cols).unwrap();
-            let dense = q.dequantize();
-            let mut y = vec![0f32; m * rows];
-            q.product(&x, &mut y);
-            for i in 0..m {
-                for r in 0..rows {
-                    let want: f32 = (0..cols)
-                        .map(|c| x[i * cols + c] * dense[r * cols + c])
-                        .sum();
-                    let got = y[i * rows + r];
-                    // Without AVX2 the integer kernels run, x quantized to 8 bits.
-                    let tol = match prefill::by_gemm(m, Weights::Blocks(&q)) {
-                        true => 1e-3 * want.abs().max(1.0),
-                        false => 0.2,
-                    };
-                    assert!(
-                        (got - want).abs() <= tol,
-                        "{format:?} {i} {r}: {got} vs {want}"
-                    );
-                }
-            }
-            let mut buf = Vec::new();
-            let t = q.dequantize_transposed((3, 5), (64, 32), &mut buf);
-            assert_eq!(t[2 * 5 + 1], dense[4 * cols + 66]);
-        }
-    }
-
-    /// ggml's bytes for a matrix read back are the same matrix.
-    #[test]
-    fn from_ggml_reads_what_ggml_writes() {
-        let (rows, cols) = (3, 64);
-        let w = data(rows * cols, 3);
-        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
-            let q = QWeight::quantize(format, &w, cols).unwrap();
-            let mut bytes = Vec::new();
-            for b in 0..q.scales.len() {
-                bytes.extend(q.scales[b].to_le_bytes());
-                if let Some(m) = q.mins.get(b) {
-                    bytes.extend(m.to_le_bytes());
-                }
-                let n = format.quant_bytes();
-                bytes.extend(&q.quants[b * n..(b + 1) * n]);
-            }
-            let back = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
-            assert_eq!(back.dequantize(), q.dequantize(), "{format:?}");
-            assert_eq!(back.bytes(), bytes.len());
-            assert!(QWeight::from_ggml(format, rows, cols, &bytes[1..]).is_none());
-        }
-    }
-}
+mod tests;
