@@ -48,6 +48,12 @@ pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> candle_core::Result<Rm
     Ok(RmsNorm::new(weight, eps))
 }
 
+/// One sequence of a batched step: the tokens to feed after what its cache holds.
+pub struct Feed<'a> {
+    pub ids: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
 #[derive(Debug, Clone)]
 pub struct Transformer {
     embed_tokens: Embedding,
@@ -214,6 +220,18 @@ impl Transformer {
         let logits = self.forward_tail(ids, cache, 1)?;
         let logits = logits.ok_or_else(|| Error::Invalid("no tokens to run".into()))?;
         Ok(logits.squeeze(1)?) // (B, vocab)
+    }
+
+    /// Feeds each sequence's ids after what its own cache holds and returns each one's
+    /// last-position logits, in order: the step of a batch (`generate` with several prompts,
+    /// `bench --batch`, the server's scheduler). Ids of different lengths are allowed (a
+    /// prompt chunk beside decode tokens); none may be empty.
+    pub fn next_logits_batch(&self, feeds: &mut [Feed<'_>]) -> Result<Vec<Vec<f32>>> {
+        // First form: one sequence after another (same results as the packed step to come).
+        feeds
+            .iter_mut()
+            .map(|f| self.next_logits(f.ids, f.cache))
+            .collect()
     }
 
     /// Feeds `ids` after what `cache` holds (a whole prompt in chunks of [`PREFILL_CHUNK`], or
