@@ -456,3 +456,50 @@ fn f64s(t: &Tensor) -> candle_core::Result<Vec<f64>> {
     let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     Ok(values.into_iter().map(f64::from).collect())
 }
+
+/// Decode's products with block-format weights, one x row through SmolLM2-135M's 30 layers
+/// of projections (70-140 MB of blocks, well past the L3): the best of 15 "tokens" per format
+/// in ms and the GB/s of blocks it implies. The minimum is what the kernel does when it has
+/// the cores, so it can be compared across builds on a shared machine.
+/// `cargo test --release --test kernel probe_block_decode -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn probe_block_decode() -> candle_core::Result<()> {
+    use candle_core::quantized::GgmlDType;
+    let dev = Device::Cpu;
+    let shapes = [
+        (576, 576),
+        (192, 576),
+        (192, 576),
+        (576, 576),
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    ];
+    for q in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let mut layers = Vec::new();
+        for _ in 0..30 {
+            for &(n, k) in &shapes {
+                let mut l = Linear::new(Tensor::randn(0f32, 1.0, (n, k), &dev)?, None);
+                l.quantize(&q)?;
+                layers.push((l, Tensor::randn(0f32, 1.0, (1, k), &dev)?));
+            }
+        }
+        let bytes: usize = layers.iter().map(|(l, _)| l.weight_bytes()).sum();
+        let mut best = f64::MAX;
+        for _ in 0..15 {
+            let t = std::time::Instant::now();
+            for (l, x) in &layers {
+                l.forward(x)?;
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "{q:?}: {:.2} ms per token, {:.1} GB/s of {} MB",
+            best * 1e3,
+            bytes as f64 / best / 1e9,
+            bytes / 1_000_000
+        );
+    }
+    Ok(())
+}

@@ -2,11 +2,13 @@
 //! has it (`Isa`), NEON on aarch64 (`arm`: `sdot` where the CPU has `dotprod`), a scalar
 //! loop elsewhere.
 //!
-//! The integer products take the weights' stored integers as they are: Q8_0's signed
-//! bytes, and the 4-bit formats' nibbles q in 0..=15 (unsigned, so AVX2's `maddubs` takes
-//! them with no sign trick). What a nibble format adds to each block, `c · d_x · Σ x_q` with
-//! c = -8·d (Q4_0's w = d·(q - 8)) or c = m (Q4_1's w = d·q + m), is [`offsets`], from the
-//! x block's sum.
+//! The scalar and NEON forms take the weights' stored integers as they are: Q8_0's signed
+//! bytes, and the 4-bit formats' nibbles q in 0..=15. What a nibble format adds to each
+//! block, `c · d_x · Σ x_q` with c = -8·d (Q4_0's w = d·(q - 8)) or c = m (Q4_1's
+//! w = d·q + m), is [`offsets`], from the x block's sum. On AVX2 Q4_0's nibbles become
+//! q - 8 in the register and go through `maddubs` with the sign trick, as llama.cpp does:
+//! a running scalar sum of offsets, one add per block waiting on the last, made Q4_0
+//! decode wait on its latency; Q4_1's minimum keeps it.
 
 use super::{Format, QRows, QWeight, BLOCK};
 #[cfg(target_arch = "aarch64")]
@@ -105,27 +107,37 @@ mod x86 {
     use super::{Format, QRows, QWeight, BLOCK};
     use std::arch::x86_64::*;
 
-    /// Block `b` of weight row `r` as 32 bytes, and whether they are signed (Q8_0) or
-    /// nibbles 0..=15.
+    /// The format as a constant, so that each kernel is compiled once per format with no
+    /// branch on it in the loop (the branch per block took a seventh of Q4_0 decode).
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q4_1: u8 = 2;
+
+    /// Block `b` of weight row `r` as 32 bytes: Q8_0's signed bytes, Q4_0's nibbles less 8
+    /// (signed, in -8..=7, so no offset remains to add), Q4_1's nibbles 0..=15.
     ///
     /// # Safety
     /// AVX2; block b of row r exists.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn weights(w: &QWeight, r: usize, b: usize) -> __m256i {
+    unsafe fn weights<const F: u8>(w: &QWeight, r: usize, b: usize) -> __m256i {
         let blocks = w.cols / BLOCK;
-        match w.format {
+        if F == Q8_0 {
             // SAFETY: block b of weight row r is 32 bytes of quants.
-            Format::Q8_0 => unsafe {
+            return unsafe {
                 _mm256_loadu_si256(w.quants.as_ptr().add((r * blocks + b) * BLOCK) as *const __m256i)
-            },
-            // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
-            Format::Q4_0 | Format::Q4_1 => unsafe {
-                let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
-                let v = _mm_loadu_si128(p as *const __m128i);
-                let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
-            },
+            };
+        }
+        // SAFETY: 16 bytes of nibbles; low nibbles are weights 0-15, high 16-31.
+        let nibbles = unsafe {
+            let p = w.quants.as_ptr().add((r * blocks + b) * BLOCK / 2);
+            let v = _mm_loadu_si128(p as *const __m128i);
+            let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+            _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+        };
+        match F {
+            Q4_0 => _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8)),
+            _ => nibbles,
         }
     }
 
@@ -140,14 +152,15 @@ mod x86 {
         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), acc)
     }
 
-    /// The two operands of [`block`] for weight bytes `wv` and x bytes `xv`: nibbles are
-    /// unsigned already; Q8_0 goes as |w| and sign(w)·x (llama.cpp's mul_sum_i8_pairs).
+    /// The two operands of [`block`] for weight bytes `wv` and x bytes `xv`: Q4_1's nibbles
+    /// are unsigned already; signed weights go as |w| and sign(w)·x (llama.cpp's
+    /// mul_sum_i8_pairs).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn operands(signed: bool, wv: __m256i, xv: __m256i) -> (__m256i, __m256i) {
-        match signed {
-            true => (_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)),
-            false => (wv, xv),
+    fn operands<const F: u8>(wv: __m256i, xv: __m256i) -> (__m256i, __m256i) {
+        match F {
+            Q4_1 => (wv, xv),
+            _ => (_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)),
         }
     }
 
@@ -171,59 +184,87 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
     }
 
-    /// Block `wb`'s scale and offset (see [`super::offsets`]).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn scale_offset(w: &QWeight, wb: usize) -> (f32, f32) {
-        let d = widen(w.scales[wb]);
-        match w.format {
-            Format::Q8_0 => (d, 0.0),
-            Format::Q4_0 => (d, -8.0 * d),
-            Format::Q4_1 => (d, widen(w.mins[wb])),
-        }
-    }
-
     /// # Safety
     /// AVX2, FMA and F16C; `r` and `i` are rows of `w` and `x`, which have the same width.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
-        let blocks = w.cols / BLOCK;
         debug_assert_eq!(x.cols, w.cols);
-        let signed = w.format == Format::Q8_0;
-        let (mut acc, mut offsets) = (_mm256_setzero_ps(), 0.0);
-        for b in 0..blocks {
-            let (dw, c) = scale_offset(w, r * blocks + b);
-            let xb = i * blocks + b;
-            // SAFETY: block b of row r of w and of row i of x exist.
-            let (wv, xv) = unsafe { (weights(w, r, b), activations(x, i, b)) };
-            let (u, s) = operands(signed, wv, xv);
-            acc = block(u, s, dw * x.scales[xb], acc);
-            offsets += c * x.sums[xb];
+        // SAFETY: the caller's.
+        unsafe {
+            match w.format {
+                Format::Q8_0 => dot_in::<Q8_0>(w, r, x, i),
+                Format::Q4_0 => dot_in::<Q4_0>(w, r, x, i),
+                Format::Q4_1 => dot_in::<Q4_1>(w, r, x, i),
+            }
         }
-        hsum(acc) + offsets
+    }
+
+    /// [`dot`] for one format. Two accumulators take even and odd blocks, so consecutive
+    /// blocks' FMAs do not wait on each other.
+    ///
+    /// # Safety
+    /// As [`dot`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_in<const F: u8>(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+        let blocks = w.cols / BLOCK;
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut mins = 0.0;
+        for b in 0..blocks {
+            let (wb, xb) = (r * blocks + b, i * blocks + b);
+            // SAFETY: block b of row r of w and of row i of x exist.
+            let (wv, xv) = unsafe { (weights::<F>(w, r, b), activations(x, i, b)) };
+            let (u, s) = operands::<F>(wv, xv);
+            acc[b % 2] = block(u, s, widen(w.scales[wb]) * x.scales[xb], acc[b % 2]);
+            if F == Q4_1 {
+                mins += widen(w.mins[wb]) * x.sums[xb];
+            }
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1])) + mins
     }
 
     /// # Safety
     /// As [`dot`], for rows `i0..i0 + 4` of x.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+        // SAFETY: the caller's.
+        unsafe {
+            match w.format {
+                Format::Q8_0 => dot4_in::<Q8_0>(w, r, x, i0),
+                Format::Q4_0 => dot4_in::<Q4_0>(w, r, x, i0),
+                Format::Q4_1 => dot4_in::<Q4_1>(w, r, x, i0),
+            }
+        }
+    }
+
+    /// [`dot4`] for one format: each weight block is loaded (and unpacked) once for the four.
+    ///
+    /// # Safety
+    /// As [`dot4`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot4_in<const F: u8>(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
         let blocks = w.cols / BLOCK;
-        let signed = w.format == Format::Q8_0;
-        let (mut acc, mut offsets) = ([_mm256_setzero_ps(); 4], [0f32; 4]);
+        let (mut acc, mut mins) = ([_mm256_setzero_ps(); 4], [0f32; 4]);
         for b in 0..blocks {
-            let (dw, c) = scale_offset(w, r * blocks + b);
+            let wb = r * blocks + b;
+            let (dw, m) = (
+                widen(w.scales[wb]),
+                match F {
+                    Q4_1 => widen(w.mins[wb]),
+                    _ => 0.0,
+                },
+            );
             // SAFETY: block b of row r of w exists.
-            let wv = unsafe { weights(w, r, b) };
+            let wv = unsafe { weights::<F>(w, r, b) };
             for j in 0..4 {
                 let xb = (i0 + j) * blocks + b;
                 // SAFETY: row i0 + j of x exists (the caller's bound).
                 let xv = unsafe { activations(x, i0 + j, b) };
-                let (u, s) = operands(signed, wv, xv);
+                let (u, s) = operands::<F>(wv, xv);
                 acc[j] = block(u, s, dw * x.scales[xb], acc[j]);
-                offsets[j] += c * x.sums[xb];
+                mins[j] += m * x.sums[xb];
             }
         }
-        std::array::from_fn(|j| hsum(acc[j]) + offsets[j])
+        std::array::from_fn(|j| hsum(acc[j]) + mins[j])
     }
 
     /// The sum of the 8 lanes.
