@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod chat;
 pub mod config;
+pub mod convert;
 pub mod error;
 pub mod eval;
 pub mod generate;

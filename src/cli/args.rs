@@ -52,6 +52,14 @@ pub struct Placement {
     /// cpu, or cuda in a build with `--features cuda`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Convert the checkpoint's attention at load: mha, mqa, gqa:G (G K/V heads), with
+    /// ,method=mean|aware [default: aware, fitted on the calibration text].
+    #[arg(long, value_name = "SPEC")]
+    pub attention: Option<String>,
+    /// The text method=aware calibrates on [default: the technical prose that ships with
+    /// the program].
+    #[arg(long, value_name = "FILE", requires = "attention")]
+    pub calibration: Option<PathBuf>,
 }
 
 #[derive(Args)]

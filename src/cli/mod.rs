@@ -17,17 +17,100 @@ use tiny_decoder::chat::ChatTemplate;
 use tiny_decoder::config::AttentionConfig;
 use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, dtype_label, dtype_name, DTypeArg, Loaded, TextTokenizer};
-use tiny_decoder::{bench, ModelConfig};
+use tiny_decoder::{bench, convert, ModelConfig};
 
 /// `--dtype` and `--device`.
 fn placement(p: &Placement) -> Result<(DTypeArg, Device)> {
     Ok((DTypeArg::parse(&p.dtype)?, loader::parse_device(&p.device)?))
 }
 
-/// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...), at `--dtype`.
+/// A directory, a hub id, or the name of a bundled model (`tiny-gqa`, ...), at `--dtype`,
+/// its attention converted by `--attention` (noted on stderr).
 fn load(model: &str, p: &Placement) -> Result<Loaded> {
+    let (loaded, report) = load_reported(model, p)?;
+    if let Some(r) = report {
+        eprintln!("{}", conversion_line(&r));
+    }
+    Ok(loaded)
+}
+
+/// [`load`], with what the conversion did when `--attention` was given.
+fn load_reported(model: &str, p: &Placement) -> Result<(Loaded, Option<convert::Report>)> {
     let (dtype, device) = placement(p)?;
-    Ok(loader::open(model)?.load(dtype, &device)?)
+    let source = loader::open(model)?;
+    let Some(spec) = &p.attention else {
+        return Ok((source.load(dtype, &device)?, None));
+    };
+    let calibration = match &p.calibration {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("--calibration {}: cannot read", path.display()))?,
+        ),
+        None => None,
+    };
+    let request = convert::Request {
+        spec: spec.parse()?,
+        calibration,
+    };
+    let bar = match std::io::stderr().is_terminal() {
+        true => indicatif::ProgressBar::new(0).with_message("calibrating"),
+        false => indicatif::ProgressBar::hidden(),
+    };
+    let (loaded, report) = convert::load(&source, dtype, &device, &request, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    Ok((loaded, Some(report)))
+}
+
+/// A loaded model described as `info` reports it.
+fn describe_loaded(loaded: &Loaded) -> loader::Description {
+    loader::Description {
+        cfg: loaded.model.config().clone(),
+        num_parameters: loaded.num_parameters,
+        weight_bytes: loaded.weight_bytes(),
+        dtype: loaded.model.dtype(),
+        quantization: loaded.model.quantization(),
+        checkpoint_dtype: loaded.checkpoint_dtype,
+    }
+}
+
+/// `exact` when every new K/V head copies an original one, else the method's name.
+fn conversion_method(r: &convert::Report) -> &'static str {
+    match r.plan.is_exact() {
+        true => "exact",
+        false => r.plan.method.name(),
+    }
+}
+
+/// The attention a JSON report ran with, and the conversion that made it.
+fn add_conversion(out: &mut serde_json::Value, loaded: &Loaded, report: Option<&convert::Report>) {
+    let cfg = loaded.model.config();
+    out["attention"] = json!(cfg.attention_kind());
+    out["kv_bytes_per_token"] = json!(cfg.kv_bytes_per_token(loaded.model.dtype().size_in_bytes()));
+    if let Some(r) = report {
+        out["attention_spec"] = json!(r.plan.spec.to_string());
+        out["conversion_method"] = json!(conversion_method(r));
+        out["conversion_secs"] = json!(r.secs);
+    }
+}
+
+/// One line on what a conversion did.
+fn conversion_line(r: &convert::Report) -> String {
+    let p = &r.plan;
+    let calibration = match r.calibration_tokens {
+        0 => String::new(),
+        n => format!(", calibrated on {n} tokens"),
+    };
+    format!(
+        "attention converted to {} ({} -> {} K/V heads, method {}{calibration}) in {:.2} s",
+        p.spec,
+        p.from_kv_heads,
+        p.to_kv_heads,
+        conversion_method(r),
+        r.secs
+    )
 }
 
 fn tokenizer<'a>(loaded: &'a Loaded, model: &str) -> Result<&'a TextTokenizer> {
@@ -65,7 +148,15 @@ fn attention_fields(cfg: &ModelConfig) -> serde_json::Value {
 
 pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
     let (dtype, device) = placement(&m.placement)?;
-    let d = loader::open(&m.model)?.describe(dtype, &device)?;
+    // Without --attention, from the config and headers alone; with it, the conversion runs
+    // (its time is part of what info reports) and the converted model is described.
+    let (d, report) = match &m.placement.attention {
+        None => (loader::open(&m.model)?.describe(dtype, &device)?, None),
+        Some(_) => {
+            let (loaded, report) = load_reported(&m.model, &m.placement)?;
+            (describe_loaded(&loaded), report)
+        }
+    };
     let (cfg, size) = (&d.cfg, d.dtype.size_in_bytes());
     let mut info = json!({
         "model_type": cfg.family.model_type(),
@@ -82,6 +173,13 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
         "mha_kv_bytes_per_token": cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * size,
     });
+    if let Some(r) = &report {
+        info["attention_spec"] = json!(r.plan.spec.to_string());
+        info["conversion_method"] = json!(conversion_method(r));
+        info["original_num_key_value_heads"] = json!(r.plan.from_kv_heads);
+        info["conversion_secs"] = json!(r.secs);
+        info["calibration_tokens"] = json!(r.calibration_tokens);
+    }
     if let (Some(map), serde_json::Value::Object(more)) =
         (info.as_object_mut(), attention_fields(cfg))
     {
@@ -105,7 +203,7 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     if text.trim().is_empty() {
         bail!("{}: the file is empty", file.display());
     }
-    let loaded = load(&a.model.model, &a.model.placement)?;
+    let (loaded, report) = load_reported(&a.model.model, &a.model.placement)?;
     let ids = tokenizer(&loaded, &a.model.model)?.encode(&text)?;
     let mut windows = Windows::full(&loaded.model);
     if let Some(context) = a.context {
@@ -127,13 +225,15 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     let peak = bench::peak_rss_bytes();
     let dtype = loaded.dtype_label();
     if a.json {
-        println!(
-            "{}",
-            json!({"tokens": nll.tokens, "mean_nll": nll.mean(), "perplexity": nll.perplexity(),
-                   "context": windows.context, "stride": windows.stride,
-                   "peak_rss_bytes": peak, "dtype": dtype})
-        );
+        let mut out = json!({"tokens": nll.tokens, "mean_nll": nll.mean(),
+               "perplexity": nll.perplexity(), "context": windows.context,
+               "stride": windows.stride, "peak_rss_bytes": peak, "dtype": dtype});
+        add_conversion(&mut out, &loaded, report.as_ref());
+        println!("{out}");
     } else {
+        if let Some(r) = &report {
+            eprintln!("{}", conversion_line(r));
+        }
         println!(
             "tokens: {}  mean NLL: {:.6} nats  perplexity: {:.4}  ({dtype}, context {}, stride {}, peak RSS {} MB)",
             nll.tokens,
@@ -148,14 +248,19 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
 }
 
 pub fn run_bench(b: BenchArgs) -> Result<()> {
-    let loaded = match (&b.model, &b.config) {
-        (Some(m), _) => load(m, &b.placement)?,
+    let (loaded, report) = match (&b.model, &b.config) {
+        (Some(m), _) => load_reported(m, &b.placement)?,
         (None, Some(c)) => {
             let (dtype, device) = placement(&b.placement)?;
             // Random weights have no checkpoint dtype: `auto` is f32.
             let quant = dtype.quantization();
             let dtype = dtype.resolve(None, Some(DType::F32), &device);
-            loader::random(&ModelConfig::from_file(c)?, dtype, quant, &device)?
+            // Random weights convert to nothing: they are drawn in the layout asked for.
+            let mut cfg = ModelConfig::from_file(c)?;
+            if let Some(spec) = &b.placement.attention {
+                cfg = spec.parse::<convert::Spec>()?.plan(&cfg)?.config(&cfg);
+            }
+            (loader::random(&cfg, dtype, quant, &device)?, None)
         }
         (None, None) => bail!("bench needs --model or --config"),
     };
@@ -175,8 +280,11 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
     let machine = bench::machine_read_gb_per_s();
     out["machine_read_gb_per_s"] = json!(machine);
     out["num_parameters"] = json!(loaded.num_parameters);
-    out["attention"] = json!(loaded.model.config().attention_kind());
     out["dtype"] = json!(loaded.dtype_label());
+    add_conversion(&mut out, &loaded, report.as_ref());
+    if let (Some(r), false) = (&report, b.json) {
+        eprintln!("{}", conversion_line(r));
+    }
     if b.json {
         println!("{out}");
     } else {

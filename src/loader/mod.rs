@@ -24,6 +24,7 @@ use crate::model::Transformer;
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
+use candle_nn::var_builder::SimpleBackend;
 use headers::TensorInfo;
 use std::path::Path;
 use tokenizers::Tokenizer;
@@ -49,12 +50,34 @@ pub fn open(model: &str) -> Result<Source> {
     }
 }
 
+/// The one door through which a conversion (`--attention`, see `crate::convert`) enters a
+/// model: it gets the validated config and the checkpoint's tensors before the model is
+/// built, and returns the config and tensors to build instead. The forward path never knows.
+pub type Rewrite<'a> = &'a dyn Fn(
+    &ModelConfig,
+    Box<dyn SimpleBackend>,
+) -> Result<(ModelConfig, Box<dyn SimpleBackend>)>;
+
 impl Source {
     pub fn load(&self, dtype: DTypeArg, device: &Device) -> Result<Loaded> {
-        match self {
-            Source::Files(files) => load(files, dtype, device),
-            Source::Gguf(file) => file.load(dtype, device),
-            Source::Bundled(b) => load_bundled(b, dtype, device),
+        self.load_with(dtype, device, None)
+    }
+
+    /// [`Self::load`], with the config and tensors passed through `rewrite` first.
+    pub fn load_with(
+        &self,
+        dtype: DTypeArg,
+        device: &Device,
+        rewrite: Option<Rewrite>,
+    ) -> Result<Loaded> {
+        match (self, rewrite) {
+            (Source::Files(files), r) => load_rewritten(files, dtype, device, r),
+            (Source::Gguf(file), None) => file.load(dtype, device),
+            (Source::Gguf(_), Some(_)) => Err(Error::Invalid(
+                "--attention does not apply to GGUF files yet: use the safetensors checkpoint"
+                    .into(),
+            )),
+            (Source::Bundled(b), r) => load_bundled_rewritten(b, dtype, device, r),
         }
     }
 
@@ -184,6 +207,15 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
 /// Loads config, weights (memory-mapped) at `dtype` (`auto`: the checkpoint's), tokenizer
 /// and the checkpoint's tokenizer and generation files.
 pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> Result<Loaded> {
+    load_rewritten(files, dtype.into(), device, None)
+}
+
+fn load_rewritten(
+    files: &ModelFiles,
+    dtype: DTypeArg,
+    device: &Device,
+    rewrite: Option<Rewrite>,
+) -> Result<Loaded> {
     let (hf, mut cfg) = load_config(files)?;
     for path in &files.weights {
         if !path.is_file() {
@@ -208,19 +240,18 @@ pub fn load(files: &ModelFiles, dtype: impl Into<DTypeArg>, device: &Device) -> 
     };
     cfg.eos_token_ids = meta::stop_ids(&generation, &cfg.eos_token_ids, &meta, tokenizer.as_ref());
     let checkpoint_dtype = headers::main_float_dtype(&tensors);
-    let dtype: DTypeArg = dtype.into();
     let quant = dtype.quantization();
     let dtype = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
     // SAFETY: as above.
     let mapped = unsafe { MmapedSafetensors::multi(&files.weights) }?;
-    let (model, num_parameters) = weights::build(
-        &cfg,
-        Box::new(weights::Unmapping(mapped)),
-        dtype,
-        quant.as_ref().map(|q| q as _),
-        device,
-    )
-    .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
+    let backend: Box<dyn SimpleBackend> = Box::new(weights::Unmapping(mapped));
+    let (cfg, backend) = match rewrite {
+        Some(rewrite) => rewrite(&cfg, backend)?,
+        None => (cfg, backend),
+    };
+    let (model, num_parameters) =
+        weights::build(&cfg, backend, dtype, quant.as_ref().map(|q| q as _), device)
+            .map_err(|e| Error::Weights(format!("{}: {e}", files.source)))?;
     // Checked after the weights, whose own mismatch (a tensor's shape) names more.
     let tokenizer = match (tokenizer, &files.tokenizer) {
         (Some(t), Some(path)) => Some(TextTokenizer::new(
@@ -268,15 +299,28 @@ pub fn load_bundled(
     dtype: impl Into<DTypeArg>,
     device: &Device,
 ) -> Result<Loaded> {
+    load_bundled_rewritten(b, dtype.into(), device, None)
+}
+
+fn load_bundled_rewritten(
+    b: &bundled::Bundled,
+    dtype: DTypeArg,
+    device: &Device,
+    rewrite: Option<Rewrite>,
+) -> Result<Loaded> {
     let hf = bundled_config(b)?;
     let cfg = hf.validate()?;
     let checkpoint_dtype = headers::main_float_dtype(&bundled_headers(b)?);
-    let dtype: DTypeArg = dtype.into();
     let quant = dtype.quantization();
     let dtype = run_dtype(dtype, &hf, checkpoint_dtype, device)?;
     let tensors = candle_core::safetensors::SliceSafetensors::new(b.weights)?;
+    let backend: Box<dyn SimpleBackend> = Box::new(tensors);
+    let (cfg, backend) = match rewrite {
+        Some(rewrite) => rewrite(&cfg, backend)?,
+        None => (cfg, backend),
+    };
     let quant = quant.as_ref().map(|q| q as _);
-    let (model, num_parameters) = weights::build(&cfg, Box::new(tensors), dtype, quant, device)?;
+    let (model, num_parameters) = weights::build(&cfg, backend, dtype, quant, device)?;
     let tokenizer = Tokenizer::from_bytes(b.tokenizer)
         .map_err(|e| Error::Tokenizer(format!("bundled {}: {e}", b.name)))?;
     Ok(Loaded {

@@ -46,6 +46,11 @@ impl DecoderLayer {
         x + mlp
     }
 
+    /// What the attention sees of `x`: the normed hidden state.
+    pub fn attention_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.input_layernorm.forward(x)
+    }
+
     /// Quantizes the attention and MLP projections; returns the bytes saved.
     pub fn quantize(&mut self, q: &dyn crate::model::linear::Quantizer) -> Result<usize> {
         Ok(self.self_attn.quantize(q)? + self.mlp.quantize(q)?)

@@ -48,6 +48,9 @@ pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> candle_core::Result<Rm
     Ok(RmsNorm::new(weight, eps))
 }
 
+/// What [`Transformer::visit_attention_inputs`] calls with each layer's index and input.
+pub type Visit<'a> = dyn FnMut(usize, &Tensor) -> Result<()> + 'a;
+
 /// One sequence of a batched step: the tokens to feed after what its cache holds.
 pub struct Feed<'a> {
     pub ids: &'a [u32],
@@ -166,6 +169,28 @@ impl Transformer {
     /// stack after what that sequence's cache holds, writes their keys and values into it,
     /// and returns the final hidden states (1, N, C) with each sequence's [`Span`] in them.
     fn hidden(&self, feeds: &mut [Feed<'_>]) -> Result<(Tensor, Vec<Span>)> {
+        self.hidden_visiting(feeds, None)
+    }
+
+    /// Runs `ids` (one sequence) after what `cache` holds and hands `visit` each layer's
+    /// index and attention input (1, T, C), the normed hidden state: what a conversion's
+    /// calibration measures (`convert::calibrate`).
+    pub fn visit_attention_inputs(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        visit: &mut Visit,
+    ) -> Result<()> {
+        self.hidden_visiting(&mut [Feed { ids, cache }], Some(visit))
+            .map(|_| ())
+    }
+
+    /// [`Self::hidden`], handing each layer's attention input to `visit` when given.
+    fn hidden_visiting(
+        &self,
+        feeds: &mut [Feed<'_>],
+        mut visit: Option<&mut Visit>,
+    ) -> Result<(Tensor, Vec<Span>)> {
         let dev = self.device();
         let (mut ids, mut positions, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         for f in feeds.iter() {
@@ -186,6 +211,9 @@ impl Transformer {
         let rotation = self.rope.at_positions(&positions)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let caches: Vec<&LayerCache> = feeds.iter().map(|f| &f.cache.layers()[i]).collect();
+            if let Some(visit) = visit.as_mut() {
+                visit(i, &layer.attention_input(&x)?)?;
+            }
             x = layer.forward(&x, &rotation, &spans, &caches)?;
         }
         for f in feeds.iter_mut() {

@@ -1,0 +1,69 @@
+//! One forward of the original model over a calibration text, keeping of each layer only
+//! the second moment of its attention's input: every activation-aware fit is computed
+//! from these (keys, values and queries are linear in the input), so the text is read once.
+
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::model::{Transformer, PREFILL_CHUNK};
+use candle_core::{DType, Tensor};
+
+/// Windows longer than this restart the cache: calibration wants many inputs, not long
+/// contexts, and attention over a long window costs more than the products.
+const WINDOW: usize = 2048;
+
+/// E[x̃ x̃ᵀ] per layer over the calibration tokens, x̃ the attention input with a constant 1
+/// appended (so biases fit like weights): (C + 1, C + 1) in f64.
+pub struct Moments {
+    pub per_layer: Vec<Tensor>,
+    pub tokens: usize,
+}
+
+/// Runs `ids` through `model` in windows of [`WINDOW`] tokens and averages the moments.
+/// Needs at least `hidden_size` tokens, or the moments are singular.
+pub fn measure(
+    model: &Transformer,
+    ids: &[u32],
+    mut progress: impl FnMut(usize),
+) -> Result<Moments> {
+    let cfg = model.config();
+    let need = cfg.hidden_size;
+    if ids.len() < need {
+        return Err(Error::Invalid(format!(
+            "--calibration: the text has {} tokens; this model needs at least {need} \
+             (its hidden size) for method=aware: give a longer text, or use method=mean",
+            ids.len()
+        )));
+    }
+    let window = WINDOW.min(cfg.max_position_embeddings);
+    let mut cache = KvCache::new(cfg, window, model.dtype(), model.device())?;
+    let mut sums: Vec<Option<Tensor>> = vec![None; cfg.num_hidden_layers];
+    for (w, chunk) in ids.chunks(window).enumerate() {
+        cache.reset();
+        for part in chunk.chunks(PREFILL_CHUNK) {
+            let mut add = |layer: usize, x: &Tensor| -> Result<()> {
+                let x = x.squeeze(0)?.to_dtype(DType::F32)?; // (T, C)
+                let ones = Tensor::ones((x.dim(0)?, 1), DType::F32, x.device())?;
+                let x = Tensor::cat(&[&x, &ones], 1)?; // (T, C + 1)
+                                                       // The chunk's product in f32 (a few hundred terms per entry), the running
+                                                       // sum over the whole text in f64.
+                let xtx = x.t()?.matmul(&x)?.to_dtype(DType::F64)?;
+                sums[layer] = Some(match sums[layer].take() {
+                    Some(s) => (s + xtx)?,
+                    None => xtx,
+                });
+                Ok(())
+            };
+            model.visit_attention_inputs(part, &mut cache, &mut add)?;
+        }
+        progress((w * window + chunk.len()).min(ids.len()));
+    }
+    let n = ids.len() as f64;
+    let per_layer = sums
+        .into_iter()
+        .map(|s| Ok((s.ok_or_else(|| Error::Invalid("no layer saw the text".into()))? / n)?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Moments {
+        per_layer,
+        tokens: ids.len(),
+    })
+}

@@ -1,0 +1,278 @@
+//! `--attention SPEC`: what a user asks for (`mha`, `mqa`, `gqa:G`, `mla:R,rope=W`,
+//! `lowrank:R`, each with `,method=...`), and the [`Plan`] it becomes for one checkpoint,
+//! with a one-line error that says what would work when it cannot apply.
+
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::error::{Error, Result};
+use std::fmt;
+
+/// The attention layout asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// One K/V head per query head.
+    Mha,
+    /// One K/V head for all query heads.
+    Mqa,
+    /// G K/V heads.
+    Gqa(usize),
+    /// Cacheable MLA: a rank-R latent and a RoPE key W wide (parsed, not built yet).
+    Mla { rank: usize, rope: usize },
+    /// A rank-R latent of the pre-RoPE keys and values (parsed, not built yet).
+    LowRank { rank: usize },
+}
+
+/// How a lossy conversion chooses its weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// Mean of the original K/V heads of each new group (the GQA paper's uptraining start).
+    Mean,
+    /// Truncated SVD of the weights alone (MLA and low-rank only).
+    Svd,
+    /// Fitted to the activations of a calibration text (see `convert::gqa`).
+    Aware,
+}
+
+/// A parsed `--attention` value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spec {
+    pub layout: Layout,
+    /// `None`: the best method the layout has.
+    pub method: Option<Method>,
+}
+
+/// A spec checked against one model: the K/V heads to build and the method that makes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub spec: Spec,
+    pub num_heads: usize,
+    /// K/V heads of the checkpoint, and of the converted model.
+    pub from_kv_heads: usize,
+    pub to_kv_heads: usize,
+    pub method: Method,
+}
+
+impl Method {
+    fn parse(s: &str) -> Result<Self> {
+        match s {
+            "mean" => Ok(Method::Mean),
+            "svd" => Ok(Method::Svd),
+            "aware" => Ok(Method::Aware),
+            _ => Err(bad(format!("unknown method {s:?}: use mean, svd or aware"))),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Mean => "mean",
+            Method::Svd => "svd",
+            Method::Aware => "aware",
+        }
+    }
+}
+
+fn bad(msg: impl fmt::Display) -> Error {
+    Error::Invalid(format!("--attention: {msg}"))
+}
+
+/// A positive count such as `G` or `R`.
+fn count(what: &str, s: &str) -> Result<usize> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(bad(format!("{what} must be a positive integer, got {s:?}"))),
+    }
+}
+
+impl std::str::FromStr for Spec {
+    type Err = Error;
+
+    /// `mha`, `mqa`, `gqa:G`, `mla:R,rope=W`, `lowrank:R`, then `,key=value` options.
+    fn from_str(s: &str) -> Result<Self> {
+        let mut parts = s.trim().split(',');
+        let head = parts.next().unwrap_or_default();
+        let (name, arg) = match head.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (head, None),
+        };
+        let (mut method, mut rope) = (None, None);
+        for part in parts {
+            match part.split_once('=') {
+                Some(("method", m)) => method = Some(Method::parse(m)?),
+                Some(("rope", w)) if name == "mla" => rope = Some(count("rope width W", w)?),
+                _ => return Err(bad(format!("unknown option {part:?} in {s:?}"))),
+            }
+        }
+        let layout = match (name, arg) {
+            ("mha", None) => Layout::Mha,
+            ("mqa", None) => Layout::Mqa,
+            ("gqa", Some(g)) => Layout::Gqa(count("gqa:G", g)?),
+            ("mla", Some(r)) => match rope {
+                Some(rope) => Layout::Mla {
+                    rank: count("mla:R", r)?,
+                    rope,
+                },
+                None => return Err(bad(format!("{s:?} needs a RoPE width: mla:R,rope=W"))),
+            },
+            ("lowrank", Some(r)) => Layout::LowRank {
+                rank: count("lowrank:R", r)?,
+            },
+            _ => {
+                return Err(bad(format!(
+                    "unknown attention {s:?}: use mha, mqa, gqa:G, mla:R,rope=W or lowrank:R"
+                )))
+            }
+        };
+        Ok(Spec { layout, method })
+    }
+}
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.layout {
+            Layout::Mha => write!(f, "mha")?,
+            Layout::Mqa => write!(f, "mqa")?,
+            Layout::Gqa(g) => write!(f, "gqa:{g}")?,
+            Layout::Mla { rank, rope } => write!(f, "mla:{rank},rope={rope}")?,
+            Layout::LowRank { rank } => write!(f, "lowrank:{rank}")?,
+        }
+        match self.method {
+            Some(m) => write!(f, ",method={}", m.name()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Spec {
+    /// Checks the spec against `cfg` and resolves the K/V heads and the method.
+    pub fn plan(&self, cfg: &ModelConfig) -> Result<Plan> {
+        let AttentionConfig::Gqa {
+            num_kv_heads,
+            qk_norm,
+            ..
+        } = cfg.attention
+        else {
+            return Err(bad(format!(
+                "{self}: this checkpoint has MLA attention, which does not convert yet; \
+                 --attention applies to MHA/GQA/MQA checkpoints"
+            )));
+        };
+        let h = cfg.num_attention_heads;
+        let to = match self.layout {
+            Layout::Mha => h,
+            Layout::Mqa => 1,
+            Layout::Gqa(g) if g > h => {
+                return Err(bad(format!(
+                    "{self}: G ({g}) is more than the {h} query heads; at most gqa:{h} (mha)"
+                )))
+            }
+            Layout::Gqa(g) if !h.is_multiple_of(g) => {
+                let fits: Vec<String> = (1..=h)
+                    .filter(|&d| h.is_multiple_of(d))
+                    .map(|d| d.to_string())
+                    .collect();
+                let fits = fits.join(", ");
+                return Err(bad(format!(
+                    "{self}: G ({g}) does not divide the {h} query heads; use one of {fits}"
+                )));
+            }
+            Layout::Gqa(g) => g,
+            Layout::Mla { .. } | Layout::LowRank { .. } => {
+                return Err(bad(format!(
+                    "{self}: MLA and low-rank conversions are not implemented yet; \
+                     use mha, mqa or gqa:G"
+                )))
+            }
+        };
+        let method = match self.method {
+            None | Some(Method::Aware) if qk_norm && to < num_kv_heads => {
+                if self.method.is_some() {
+                    return Err(bad(format!(
+                        "{self}: method=aware does not handle per-head q/k norms (qwen3); \
+                         use method=mean"
+                    )));
+                }
+                Method::Mean
+            }
+            None => Method::Aware,
+            Some(Method::Svd) => {
+                return Err(bad(format!(
+                    "{self}: method=svd applies to mla and lowrank; use mean or aware"
+                )))
+            }
+            Some(m) => m,
+        };
+        Ok(Plan {
+            spec: *self,
+            num_heads: h,
+            from_kv_heads: num_kv_heads,
+            to_kv_heads: to,
+            method,
+        })
+    }
+}
+
+impl Plan {
+    /// The config of the converted model: the same with `to_kv_heads` K/V heads.
+    pub fn config(&self, cfg: &ModelConfig) -> ModelConfig {
+        let mut out = cfg.clone();
+        if let AttentionConfig::Gqa { num_kv_heads, .. } = &mut out.attention {
+            *num_kv_heads = self.to_kv_heads;
+        }
+        out
+    }
+
+    /// The original K/V head each query head reads.
+    pub fn source_head(&self, query: usize) -> usize {
+        query / (self.num_heads / self.from_kv_heads)
+    }
+
+    /// The query heads of new K/V group `j`.
+    pub fn queries(&self, j: usize) -> std::ops::Range<usize> {
+        let per = self.num_heads / self.to_kv_heads;
+        j * per..(j + 1) * per
+    }
+
+    /// The distinct original K/V heads that new group `j`'s queries read, in order.
+    pub fn sources(&self, j: usize) -> Vec<usize> {
+        let mut heads: Vec<usize> = self.queries(j).map(|q| self.source_head(q)).collect();
+        heads.dedup();
+        heads
+    }
+
+    /// True when every new group reads a single original head: the conversion repeats or
+    /// keeps heads and is exact, so no method or calibration is needed.
+    pub fn is_exact(&self) -> bool {
+        (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_print_back() {
+        for s in [
+            "mha",
+            "mqa",
+            "gqa:3",
+            "mqa,method=mean",
+            "gqa:2,method=aware",
+            "mla:64,rope=64",
+            "lowrank:128,method=svd",
+        ] {
+            assert_eq!(s.parse::<Spec>().unwrap().to_string(), s);
+        }
+        for s in [
+            "",
+            "gqa",
+            "gqa:0",
+            "gqa:x",
+            "mha:2",
+            "mqa,method=best",
+            "mla:64",
+            "mqa,rope=4",
+        ] {
+            assert!(s.parse::<Spec>().is_err(), "{s:?} parsed");
+        }
+    }
+}
