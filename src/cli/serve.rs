@@ -30,9 +30,9 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     let mut loaded = load(name, &a.placement)?;
     let max_context = loaded.model.config().max_position_embeddings;
     let context = match a.context {
-        Some(c) if c == 0 || c > max_context => bail!(
-            "--context {c}: must be between 1 and {name}'s context length ({max_context})"
-        ),
+        Some(c) if c == 0 || c > max_context => {
+            bail!("--context {c}: must be between 1 and {name}'s context length ({max_context})")
+        }
         Some(c) => c,
         None => max_context.min(DEFAULT_CONTEXT),
     };

@@ -238,14 +238,24 @@ impl ApiError {
     /// 400 with the field at fault as `code`, as OpenAI's `param` errors read.
     pub fn bad_field(code: &'static str, message: impl Into<String>) -> Self {
         let m = message.into();
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some(code), m)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some(code),
+            m,
+        )
     }
 
     pub fn unauthorized() -> Self {
         let m = "missing or wrong API key: send the header `Authorization: Bearer KEY` with the \
                  key the server was started with (--api-key or TINY_DECODER_API_KEY)";
         let status = StatusCode::UNAUTHORIZED;
-        Self::new(status, "authentication_error", Some("invalid_api_key"), m.into())
+        Self::new(
+            status,
+            "authentication_error",
+            Some("invalid_api_key"),
+            m.into(),
+        )
     }
 
     pub fn model_not_found(asked: &str, served: &str) -> Self {

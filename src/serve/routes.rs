@@ -120,12 +120,18 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
         Prompt::Text(t) => encode(t)?,
         Prompt::Texts(t) if t.len() == 1 => encode(&t[0])?,
         Prompt::Texts(t) => {
-            let m = format!("{} prompts in one request: send one prompt per request", t.len());
+            let m = format!(
+                "{} prompts in one request: send one prompt per request",
+                t.len()
+            );
             return Err(ApiError::bad_field("prompt", m));
         }
         Prompt::Ids(ids) => match ids.iter().find(|&&id| id as usize >= s.vocab_size) {
             Some(id) => {
-                let m = format!("token id {id} is not below the vocabulary size {}", s.vocab_size);
+                let m = format!(
+                    "token id {id} is not below the vocabulary size {}",
+                    s.vocab_size
+                );
                 return Err(ApiError::bad_field("prompt", m));
             }
             None => ids.clone(),
@@ -146,7 +152,10 @@ async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
         return Err(ApiError::bad_request(m));
     };
     if req.messages.is_empty() {
-        return Err(ApiError::bad_field("messages", "messages must not be empty"));
+        return Err(ApiError::bad_field(
+            "messages",
+            "messages must not be empty",
+        ));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
@@ -210,16 +219,30 @@ async fn whole(reply: Reply, mut events: UnboundedReceiver<Event>) -> Answer {
 /// (absent: the rest of the context) and the sampler.
 fn check(s: &Served, prompt: &[u32], p: &Params) -> Result<(usize, Sampler), ApiError> {
     if p.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_field("n", "n must be 1: one choice per request"));
+        return Err(ApiError::bad_field(
+            "n",
+            "n must be 1: one choice per request",
+        ));
     }
     if p.stops().iter().any(String::is_empty) {
-        return Err(ApiError::bad_field("stop", "a stop string must not be empty"));
+        return Err(ApiError::bad_field(
+            "stop",
+            "a stop string must not be empty",
+        ));
     }
     if prompt.is_empty() {
-        return Err(ApiError::bad_field("prompt", "the prompt encodes to no tokens"));
+        return Err(ApiError::bad_field(
+            "prompt",
+            "the prompt encodes to no tokens",
+        ));
     }
     let max_tokens = match p.max_tokens() {
-        Some(0) => return Err(ApiError::bad_field("max_tokens", "max_tokens must be at least 1")),
+        Some(0) => {
+            return Err(ApiError::bad_field(
+                "max_tokens",
+                "max_tokens must be at least 1",
+            ))
+        }
         Some(m) => m,
         None => s.context.saturating_sub(prompt.len()).max(1),
     };
@@ -241,7 +264,10 @@ fn check(s: &Served, prompt: &[u32], p: &Params) -> Result<(usize, Sampler), Api
 /// else llama.cpp's, as in `generate`. The seed is random unless given.
 fn sampler(s: &Served, p: &Params) -> Result<Sampler, ApiError> {
     let bad = |field: &'static str, rule: &str, v: f32| {
-        Err(ApiError::bad_field(field, format!("{field} must be {rule}, got {v}")))
+        Err(ApiError::bad_field(
+            field,
+            format!("{field} must be {rule}, got {v}"),
+        ))
     };
     match (p.temperature, p.top_p, p.min_p, p.repeat_penalty) {
         (Some(t), ..) if t < 0.0 => return bad("temperature", ">= 0", t),
@@ -258,5 +284,6 @@ fn sampler(s: &Served, p: &Params) -> Result<Sampler, ApiError> {
         repeat_penalty: p.repeat_penalty,
         seed: p.seed.map(|s| s as u64),
     };
-    Sampler::new(&requested.resolve(&s.generation)).map_err(|e| ApiError::bad_request(e.to_string()))
+    Sampler::new(&requested.resolve(&s.generation))
+        .map_err(|e| ApiError::bad_request(e.to_string()))
 }

@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 use crate::generate::{StopReason, StopStrings, TokenStream};
 use crate::kv_cache::KvCache;
 use crate::sampling::Sampler;
-use tokenizers::Tokenizer;
 use std::time::Instant;
+use tokenizers::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 pub struct Sequence<'t> {
@@ -123,11 +123,20 @@ impl<'t> Sequence<'t> {
     }
 
     /// Sends the end of the request (the final reply, or its error); returns the cache for
-    /// reuse. A sequence that has not ended was cut short by the server's shutdown.
+    /// reuse. A sequence that has not ended lost its client, or the shutdown cancelled it.
     pub fn end(mut self) -> KvCache {
         match self.outcome.take() {
             Some(Outcome::Finished(reason)) => self.finish(reason),
             Some(Outcome::Failed(m)) => self.fail(&m),
+            None if self.abandoned() => {
+                eprintln!(
+                    "request: the client went away after {} prompt + {} completion tokens: \
+                     dropped, its cache is free",
+                    self.cache.len().min(self.prompt_len),
+                    self.generated().len()
+                );
+                self.cache
+            }
             None => {
                 let _ = self.events.send(Event::Cancelled);
                 self.cache

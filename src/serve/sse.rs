@@ -23,7 +23,10 @@ pub fn response(reply: Reply, events: UnboundedReceiver<Event>, include_usage: b
         opened: false,
         ended: false,
     };
-    let headers = [(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")];
+    let headers = [
+        (CONTENT_TYPE, "text/event-stream"),
+        (CACHE_CONTROL, "no-cache"),
+    ];
     (headers, Body::from_stream(chunks)).into_response()
 }
 
