@@ -70,10 +70,17 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         opts.model_id, opts.max_batch, opts.context, opts.max_queue
     );
     let cancel = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(scheduler::Stats::default());
     let tokenizer = Arc::new(m.tokenizer.inner().clone());
-    let (queue, scheduler) =
-        scheduler::spawn(m.model, tokenizer, caches, opts.max_queue, cancel.clone())
-            .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
+    let (queue, scheduler) = scheduler::spawn(
+        m.model,
+        tokenizer,
+        caches,
+        opts.max_queue,
+        cancel.clone(),
+        stats.clone(),
+    )
+    .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
     let served = Arc::new(routes::Served {
         model_id: opts.model_id.clone(),
         created: routes::unix_now(),
@@ -82,7 +89,9 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         generation: m.generation,
         vocab_size: cfg.vocab_size,
         context: opts.context,
+        max_batch: opts.max_batch,
         queue,
+        stats,
         api_key: opts.api_key.clone(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -4,7 +4,7 @@
 //! full), then reply whole or as a stream.
 
 use super::openai::{ApiError, ChatRequest, CompletionRequest, Params, Prompt, Reply};
-use super::scheduler::{Event, Job, Queue, Refused};
+use super::scheduler::{Event, Job, Queue, Refused, Stats};
 use super::sse;
 use crate::chat::{ChatTemplate, Message};
 use crate::loader::{GenerationConfig, TextTokenizer};
@@ -18,6 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -34,7 +35,9 @@ pub struct Served {
     pub vocab_size: usize,
     /// Tokens one request may hold, prompt and completion: the caches' capacity.
     pub context: usize,
+    pub max_batch: usize,
     pub queue: Queue,
+    pub stats: Arc<Stats>,
     pub api_key: Option<String>,
 }
 
@@ -60,8 +63,11 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+async fn health(State(s): State<Shared>) -> Json<Value> {
+    let (running, largest) = (&s.stats.running, &s.stats.largest_batch);
+    Json(json!({"status": "ok", "max_batch": s.max_batch,
+                "running": running.load(Ordering::Relaxed),
+                "largest_batch": largest.load(Ordering::Relaxed)}))
 }
 
 async fn models(State(s): State<Shared>) -> Json<Value> {

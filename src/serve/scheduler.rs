@@ -13,7 +13,7 @@ use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
 use crate::sampling::Sampler;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -61,6 +61,15 @@ pub struct Finish {
     pub completion_tokens: usize,
 }
 
+/// What the scheduler reports on `/health`.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Sequences in the batch after the last step.
+    pub running: AtomicUsize,
+    /// The most sequences one step has fed since start: above 1, requests were batched.
+    pub largest_batch: AtomicUsize,
+}
+
 /// The sending end of the queue of waiting requests, held by the HTTP handlers.
 #[derive(Clone)]
 pub struct Queue {
@@ -96,11 +105,12 @@ pub fn spawn(
     caches: Vec<KvCache>,
     max_queue: usize,
     cancel: Arc<AtomicBool>,
+    stats: Arc<Stats>,
 ) -> std::io::Result<(Queue, JoinHandle<()>)> {
     let (jobs, waiting) = sync_channel(max_queue);
     let thread = std::thread::Builder::new()
         .name("scheduler".into())
-        .spawn(move || run(&model, &tokenizer, caches, &waiting, &cancel))?;
+        .spawn(move || run(&model, &tokenizer, caches, &waiting, &cancel, &stats))?;
     let queue = Queue {
         jobs,
         capacity: max_queue,
@@ -114,6 +124,7 @@ fn run(
     mut free: Vec<KvCache>,
     waiting: &Receiver<Job>,
     cancel: &AtomicBool,
+    stats: &Stats,
 ) {
     let eos = model.config().eos_token_ids.clone();
     let mut running: Vec<Sequence> = Vec::with_capacity(free.len());
@@ -141,7 +152,7 @@ fn run(
             free.push(seq.end());
         }
         // 3. One step. A model error or a panic fails this step's requests, not the server.
-        let stepped = catch_unwind(AssertUnwindSafe(|| step(model, &mut running, &eos)));
+        let stepped = catch_unwind(AssertUnwindSafe(|| step(model, &mut running, &eos, stats)));
         let failure = match stepped {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(format!("the model step failed: {e}")),
@@ -156,13 +167,14 @@ fn run(
         for seq in running.extract_if(.., |s| s.outcome.is_some()) {
             free.push(seq.end());
         }
+        stats.running.store(running.len(), Ordering::Relaxed);
     }
 }
 
 /// Feeds every running sequence (a decode token, or the next chunk of its prompt within
 /// [`PREFILL_PER_STEP`]) in one batched forward, then samples a token for each whose prompt
 /// is now all in its cache.
-fn step(model: &Transformer, running: &mut [Sequence], eos: &[u32]) -> Result<()> {
+fn step(model: &Transformer, running: &mut [Sequence], eos: &[u32], stats: &Stats) -> Result<()> {
     let mut budget = PREFILL_PER_STEP;
     let mut fed = Vec::with_capacity(running.len());
     let mut feeds = Vec::with_capacity(running.len());
@@ -179,6 +191,9 @@ fn step(model: &Transformer, running: &mut [Sequence], eos: &[u32]) -> Result<()
             cache: &mut seq.cache,
         });
     }
+    stats
+        .largest_batch
+        .fetch_max(feeds.len(), Ordering::Relaxed);
     let logits = model.next_logits_batch(&mut feeds)?;
     for (i, logits) in fed.into_iter().zip(logits) {
         let seq = &mut running[i];

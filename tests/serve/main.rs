@@ -79,7 +79,8 @@ fn check_stream(events: &[Value], object: &str) -> Value {
 #[test]
 fn completions_whole_and_streamed_equal_generate() {
     let server = Server::start(&[]);
-    assert_eq!(server.get("/health"), (200, json!({"status": "ok"})));
+    let (status, health) = server.get("/health");
+    assert_eq!((status, &health["status"]), (200, &json!("ok")), "{health}");
     let (status, models) = server.get("/v1/models");
     assert_eq!((status, &models["data"][0]["id"]), (200, &json!(MODEL)));
 
@@ -218,6 +219,10 @@ fn sixteen_concurrent_greedy_requests_each_equal_generate() {
             h.join().expect("a request failed");
         }
     });
+    // They ran together: 8 at most, the rest waited in the queue.
+    let health = server.get("/health").1;
+    let largest = health["largest_batch"].as_u64().unwrap();
+    assert!((2..=8).contains(&largest), "{health}");
 }
 
 #[test]
