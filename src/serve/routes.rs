@@ -10,7 +10,7 @@ use crate::chat::{ChatTemplate, Message};
 use crate::loader::{GenerationConfig, TextTokenizer};
 use crate::sampling::{Requested, Sampler};
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -47,6 +47,7 @@ type Answer = Result<Response, ApiError>;
 pub fn router(served: Shared) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route_layer(middleware::from_fn_with_state(served.clone(), auth));
@@ -70,11 +71,20 @@ async fn health(State(s): State<Shared>) -> Json<Value> {
                 "largest_batch": largest.load(Ordering::Relaxed)}))
 }
 
+fn model_object(s: &Served) -> Value {
+    json!({"id": s.model_id, "object": "model", "created": s.created,
+           "owned_by": "tiny-decoder", "context_length": s.context})
+}
+
 async fn models(State(s): State<Shared>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": s.model_id, "object": "model", "created": s.created, "owned_by": "tiny-decoder",
-        "context_length": s.context,
-    }]}))
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+async fn model(State(s): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    match id == s.model_id {
+        true => Ok(Json(model_object(&s))),
+        false => Err(ApiError::model_not_found(&id, &s.model_id)),
+    }
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -83,6 +83,11 @@ fn completions_whole_and_streamed_equal_generate() {
     assert_eq!((status, &health["status"]), (200, &json!("ok")), "{health}");
     let (status, models) = server.get("/v1/models");
     assert_eq!((status, &models["data"][0]["id"]), (200, &json!(MODEL)));
+    assert_eq!(
+        server.get("/v1/models/tiny-gqa"),
+        (200, models["data"][0].clone())
+    );
+    assert_eq!(server.get("/v1/models/tiny-mla").0, 404);
 
     let prompt = "ROMEO:\nBut soft, what light";
     let g = generate(MODEL, prompt, 40, &["--raw"]);
