@@ -23,6 +23,8 @@ pub struct Params {
     pub top_k: Option<usize>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
+    /// vLLM's and llama-server's: keep generating past EOS ids (for benchmarks).
+    pub ignore_eos: Option<bool>,
     pub stop: Option<Stop>,
     /// OpenAI's seed is any integer; a negative one is used as its two's complement.
     pub seed: Option<i64>,

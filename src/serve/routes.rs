@@ -199,6 +199,7 @@ async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer
         prompt,
         max_tokens,
         stop: p.stops(),
+        ignore_eos: p.ignore_eos.unwrap_or(false),
         sampler,
         events,
     };

@@ -34,6 +34,8 @@ pub struct Job {
     pub max_tokens: usize,
     /// Non-empty stop strings.
     pub stop: Vec<String>,
+    /// Generate past the model's EOS ids, up to `max_tokens`.
+    pub ignore_eos: bool,
     pub sampler: Sampler,
     /// Where the request's text and end go; dropped by the handler when its client leaves.
     pub events: UnboundedSender<Event>,

@@ -19,6 +19,7 @@ pub struct Sequence<'t> {
     /// One of the scheduler's caches, reset when this sequence took it.
     pub cache: KvCache,
     max_tokens: usize,
+    ignore_eos: bool,
     sampler: Sampler,
     tokenizer: &'t Tokenizer,
     stream: TokenStream<'t>,
@@ -47,6 +48,7 @@ impl<'t> Sequence<'t> {
             history: job.prompt,
             cache,
             max_tokens: job.max_tokens,
+            ignore_eos: job.ignore_eos,
             sampler: job.sampler,
             tokenizer,
             stops: StopStrings::new(&job.stop),
@@ -94,7 +96,7 @@ impl<'t> Sequence<'t> {
 
     fn next_token(&mut self, logits: &[f32], eos: &[u32]) -> Result<Option<StopReason>> {
         let next = self.sampler.sample(logits, &self.history);
-        if eos.contains(&next) {
+        if !self.ignore_eos && eos.contains(&next) {
             return Ok(Some(StopReason::Eos));
         }
         self.history.push(next);
