@@ -153,6 +153,10 @@ fn run(
         for seq in running.extract_if(.., |s| cancelled || s.abandoned()) {
             free.push(seq.end());
         }
+        if running.is_empty() {
+            stats.running.store(0, Ordering::Relaxed);
+            continue; // a step needs at least one sequence
+        }
         // 3. One step. A model error or a panic fails this step's requests, not the server.
         let stepped = catch_unwind(AssertUnwindSafe(|| step(model, &mut running, &eos, stats)));
         let failure = match stepped {

@@ -75,7 +75,7 @@ impl<'t> Sequence<'t> {
         (n > 0).then(|| start..start + n)
     }
 
-    /// Whether the prompt has still tokens to feed.
+    /// Whether part of the prompt is not in the cache yet.
     pub fn prefilling(&self) -> bool {
         self.cache.len() < self.prompt_len
     }
