@@ -1,6 +1,6 @@
 //! The OpenAI HTTP API's shapes: requests as its clients send them (fields we do not know
 //! are ignored, as OpenAI ignores them), replies and stream chunks as its clients parse them,
-//! and its error body `{"error": {"message", "type", "code"}}`.
+//! and its error body `{"error": {"message", "type", "param", "code"}}`.
 
 use super::scheduler::Finish;
 use crate::generate::StopReason;
@@ -217,58 +217,63 @@ fn usage(f: &Finish) -> Value {
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, ...
     pub kind: &'static str,
+    /// The request field at fault, if one is.
+    pub param: Option<&'static str>,
+    /// A machine-readable reason: `model_not_found`, `context_length_exceeded`, ...
     pub code: Option<&'static str>,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, m: String) -> Self {
+    fn new(status: StatusCode, kind: &'static str, message: String) -> Self {
         Self {
             status,
-            message: m,
+            message,
             kind,
-            code,
+            param: None,
+            code: None,
         }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
     }
 
     /// 400: malformed JSON, a bad field, a prompt that does not fit.
     pub fn bad_request(message: impl Into<String>) -> Self {
-        let m = message.into();
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
-    }
-
-    /// 400 with the field at fault as `code`, as OpenAI's `param` errors read.
-    pub fn bad_field(code: &'static str, message: impl Into<String>) -> Self {
-        let m = message.into();
         Self::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
-            Some(code),
-            m,
+            message.into(),
         )
+    }
+
+    /// 400 naming the field at fault (`param`).
+    pub fn bad_field(param: &'static str, message: impl Into<String>) -> Self {
+        let mut e = Self::bad_request(message);
+        e.param = Some(param);
+        e
     }
 
     pub fn unauthorized() -> Self {
         let m = "missing or wrong API key: send the header `Authorization: Bearer KEY` with the \
                  key the server was started with (--api-key or TINY_DECODER_API_KEY)";
-        let status = StatusCode::UNAUTHORIZED;
-        Self::new(
-            status,
-            "authentication_error",
-            Some("invalid_api_key"),
-            m.into(),
-        )
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", m.into())
+            .with_code("invalid_api_key")
     }
 
     pub fn model_not_found(asked: &str, served: &str) -> Self {
         let m = format!("the model {asked:?} does not exist: this server serves {served:?}");
-        let status = StatusCode::NOT_FOUND;
-        Self::new(status, "invalid_request_error", Some("model_not_found"), m)
+        let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m);
+        e.param = Some("model");
+        e.with_code("model_not_found")
     }
 
     pub fn not_found(path: &str) -> Self {
         let m = format!("no route {path}: see /v1/models, /v1/completions, /v1/chat/completions");
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", None, m)
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m)
     }
 
     /// 429: the queue of waiting requests is full.
@@ -276,24 +281,24 @@ impl ApiError {
         let m = format!(
             "the server is busy: {max_queue} requests are already waiting (--max-queue); retry later"
         );
-        let status = StatusCode::TOO_MANY_REQUESTS;
-        Self::new(status, "rate_limit_error", Some("queue_full"), m)
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", m).with_code("queue_full")
     }
 
     /// 500: the model step failed for this request.
     pub fn internal(message: impl Into<String>) -> Self {
-        let m = message.into();
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, m)
+        let status = StatusCode::INTERNAL_SERVER_ERROR;
+        Self::new(status, "server_error", message.into())
     }
 
     /// 503: the server is shutting down.
     pub fn unavailable(message: impl Into<String>) -> Self {
-        let m = message.into();
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", None, m)
+        let status = StatusCode::SERVICE_UNAVAILABLE;
+        Self::new(status, "server_error", message.into())
     }
 
     pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "code": self.code}})
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                         "code": self.code}})
     }
 }
 

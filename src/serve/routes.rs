@@ -272,7 +272,7 @@ fn check(s: &Served, prompt: &[u32], p: &Params) -> Result<(usize, Sampler), Api
             s.context,
             prompt.len()
         );
-        return Err(ApiError::bad_field("context_length_exceeded", m));
+        return Err(ApiError::bad_request(m).with_code("context_length_exceeded"));
     }
     Ok((max_tokens, sampler(s, p)?))
 }

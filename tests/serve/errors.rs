@@ -57,6 +57,8 @@ fn bad_requests_answer_400_404_and_the_server_keeps_serving() {
     );
     let (status, e) = error(&server, c, r#"{"prompt": "a", "model": "x"}"#, None);
     assert_eq!((status, &e["code"]), (404, &json!("model_not_found")));
+    let (status, e) = error(&server, c, r#"{"prompt": "a", "n": 3}"#, None);
+    assert_eq!((status, &e["param"]), (400, &json!("n")));
     let chat = "/v1/chat/completions";
     let body = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
     let (status, e) = error(&server, chat, body, None);
