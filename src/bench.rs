@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::model::Transformer;
+use crate::model::{Feed, Transformer};
 use crate::sampling::argmax;
 use std::time::Instant;
 
@@ -11,24 +11,33 @@ use std::time::Instant;
 pub struct BenchResult {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
+    /// Sequences run together: each step feeds one token of each.
+    pub batch: usize,
+    /// Prompt tokens of all sequences per second of their one batched prefill.
     pub prefill_tokens_per_s: f64,
+    /// Tokens generated per second, all sequences together.
     pub decode_tokens_per_s: f64,
+    /// Tokens per second each sequence sees (`decode_tokens_per_s / batch`).
+    pub decode_tokens_per_s_per_sequence: f64,
+    /// Bytes all the caches hold at the end.
     pub kv_cache_bytes: usize,
     pub kv_bytes_per_token: usize,
     pub weight_bytes: usize,
-    /// (weight bytes read per step + mean KV bytes read per step) × decode tokens/s, in
-    /// GB/s. A step reads every weight but the embedding table's other rows (unless the LM
-    /// head is that table).
+    /// (weight bytes read per step + mean KV bytes read per step, every sequence's) × steps
+    /// per second, in GB/s. A step reads every weight but the embedding table's other rows
+    /// (unless the LM head is that table), once for the whole batch.
     pub decode_read_gb_per_s: f64,
 }
 
-/// Times one prefill of `prompt_tokens` synthetic ids and `new_tokens` greedy decode steps.
-/// `expanded_mla` caches MLA's up-projected K/V instead of the latent (for comparison).
+/// Times one prefill of `prompt_tokens` synthetic ids in each of `batch` sequences, then
+/// `new_tokens` greedy decode steps of all of them together. `expanded_mla` caches MLA's
+/// up-projected K/V instead of the latent (for comparison).
 pub fn run(
     model: &Transformer,
     weight_bytes: usize,
     prompt_tokens: usize,
     new_tokens: usize,
+    batch: usize,
     expanded_mla: bool,
 ) -> Result<BenchResult> {
     let cfg = model.config();
@@ -40,38 +49,57 @@ pub fn run(
             cfg.max_position_embeddings
         )));
     }
+    if batch == 0 {
+        return Err(Error::Invalid("--batch must be at least 1".into()));
+    }
     let (dtype, dev) = (model.dtype(), model.device());
-    let mut cache = match expanded_mla {
-        true => KvCache::expanded(cfg, capacity, dtype, dev)?,
-        false => KvCache::new(cfg, capacity, dtype, dev)?,
-    };
-    // Deterministic ids spread over the vocabulary.
-    let ids: Vec<u32> = (0..prompt_tokens)
-        .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
+    let mut caches = (0..batch)
+        .map(|_| match expanded_mla {
+            true => KvCache::expanded(cfg, capacity, dtype, dev),
+            false => KvCache::new(cfg, capacity, dtype, dev),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Deterministic ids spread over the vocabulary, different in each sequence.
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|b| {
+            (0..prompt_tokens)
+                .map(|i| ((i * 7919 + b * 104_729 + 13) % cfg.vocab_size) as u32)
+                .collect()
+        })
         .collect();
+    let feeds = |ids: &[Vec<u32>], caches: &mut [KvCache]| -> Result<Vec<Vec<f32>>> {
+        let mut feeds: Vec<Feed> = (ids.iter().zip(caches))
+            .map(|(ids, cache)| Feed { ids, cache })
+            .collect();
+        model.next_logits_batch(&mut feeds)
+    };
     let start = Instant::now();
-    let mut logits = model.next_logits(&ids, &mut cache)?;
+    let mut logits = feeds(&prompts, &mut caches)?;
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
     for _ in 0..new_tokens {
-        logits = model.next_logits(&[argmax(&logits)], &mut cache)?;
+        let next: Vec<Vec<u32>> = logits.iter().map(|l| vec![argmax(l)]).collect();
+        logits = feeds(&next, &mut caches)?;
     }
     let decode = start.elapsed().as_secs_f64();
-    let decode_tps = new_tokens as f64 / decode.max(1e-9);
-    // Step i reads the cache up to prompt + i + 1 positions.
+    let steps_per_s = new_tokens as f64 / decode.max(1e-9);
+    let per_token = caches[0].bytes_per_token();
+    // Step i reads each cache up to prompt + i + 1 positions.
     let mean_kv_read =
-        cache.bytes_per_token() as f64 * (prompt_tokens as f64 + (new_tokens as f64 + 1.0) / 2.0);
+        (batch * per_token) as f64 * (prompt_tokens as f64 + (new_tokens as f64 + 1.0) / 2.0);
     Ok(BenchResult {
         prompt_tokens,
         new_tokens,
-        prefill_tokens_per_s: prompt_tokens as f64 / prefill.max(1e-9),
-        decode_tokens_per_s: decode_tps,
-        kv_cache_bytes: cache.bytes_in_use(),
-        kv_bytes_per_token: cache.bytes_per_token(),
+        batch,
+        prefill_tokens_per_s: (batch * prompt_tokens) as f64 / prefill.max(1e-9),
+        decode_tokens_per_s: steps_per_s * batch as f64,
+        decode_tokens_per_s_per_sequence: steps_per_s,
+        kv_cache_bytes: caches.iter().map(KvCache::bytes_in_use).sum(),
+        kv_bytes_per_token: per_token,
         weight_bytes,
         decode_read_gb_per_s: ((weight_bytes - model.embedding_bytes_unread()) as f64
             + mean_kv_read)
-            * decode_tps
+            * steps_per_s
             / 1e9,
     })
 }

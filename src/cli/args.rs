@@ -93,6 +93,10 @@ pub struct BenchArgs {
     pub prompt_tokens: usize,
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
+    /// Sequences decoded together (each with its own prompt and cache): the report gives
+    /// aggregate and per-sequence decode tok/s.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     /// MLA models: cache `latent` (default) or the up-projected per-head K/V (`expanded`).
     #[arg(long, default_value = "latent", value_parser = ["latent", "expanded"])]
     pub mla_cache: String,
@@ -145,10 +149,11 @@ pub struct GenerateArgs {
     #[arg(short, long)]
     pub model: Option<String>,
     /// The prompt: one user message when the model has a chat template; `-` reads stdin.
+    /// Repeated, the prompts run as one batch.
     #[arg(short, long)]
-    pub prompt: Option<String>,
-    /// Read the prompt from a file.
-    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// Read prompts from a file, one per line, run as one batch.
+    #[arg(long, conflicts_with = "prompt")]
     pub prompt_file: Option<PathBuf>,
     /// An OpenAI-style JSON list of {"role", "content"} messages (needs a chat template).
     #[arg(long, conflicts_with = "raw")]

@@ -31,79 +31,110 @@ pub fn catch_interrupt() {
     }
 }
 
-/// Returns the process's exit status: 0, or [`EXIT_INTERRUPTED`].
+/// Returns the process's exit status: 0, or [`EXIT_INTERRUPTED`]. Several prompts
+/// (`--prompt` repeated, or `--prompt-file` with one per line) run as one batch.
 pub fn run_generate(a: GenerateArgs) -> Result<i32> {
     let requested = a.sampling.requested();
     // The flags' own errors before a long load (the defaults filled in are valid).
     Sampler::new(&requested.resolve(&GenerationConfig::default()))?;
     check_stops(&a.stop)?;
-    let text = prompt_text(&a)?;
+    let texts = prompt_texts(&a)?;
     // Before loading, so a Ctrl-C during a long load stops as cleanly as one mid-stream.
     catch_interrupt();
     let model_name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
     let loaded = load(model_name, &a.placement)?;
     let tok = tokenizer(&loaded, model_name)?;
-    let (prompt, applied) = prompt_ids(&loaded, tok, model_name, &a, text)?;
+    let prompts = texts
+        .into_iter()
+        .map(|text| prompt_ids(&loaded, tok, model_name, &a, text))
+        .collect::<Result<Vec<_>>>()?;
     let params = requested.resolve(&loaded.generation);
-    let mut sampler = Sampler::new(&params)?;
     if loaded.model.config().eos_token_ids.is_empty() {
         eprintln!(
             "note: {model_name} names no end-of-sequence token (generation_config.json, \
              config.json or tokenizer_config.json): generating until --max-new-tokens"
         );
     }
-    let mut stdout = std::io::stdout().lock();
-    let json_mode = a.json;
-    let mut cache = generate::cache_for(&loaded.model, prompt.len(), a.max_new_tokens)?;
+    let model = &loaded.model;
+    let mut caches = prompts
+        .iter()
+        .map(|(ids, _)| generate::cache_for(model, ids.len(), a.max_new_tokens))
+        .collect::<tiny_decoder::Result<Vec<_>>>()?;
+    // Each prompt gets the sampler (and seed) it would have alone, so its output is the same.
+    let mut samplers = prompts
+        .iter()
+        .map(|_| Sampler::new(&params))
+        .collect::<tiny_decoder::Result<Vec<_>>>()?;
     let opts = Options {
         max_new_tokens: a.max_new_tokens,
         stop: &a.stop,
         interrupt: Some(&INTERRUPTED),
     };
-    let g = generate::generate_in(
-        &loaded.model,
-        tok.inner(),
-        &mut cache,
-        &prompt,
-        opts,
-        &mut sampler,
-        |text| {
-            if !json_mode {
-                // A closed pipe (`| head`) ends the output, not the program with a panic.
-                let _ = stdout
-                    .write_all(text.as_bytes())
-                    .and_then(|_| stdout.flush());
-            }
-        },
-    )?;
+    let mut seqs = caches
+        .iter_mut()
+        .zip(samplers.iter_mut())
+        .zip(&prompts)
+        .enumerate()
+        .map(|(i, ((cache, sampler), (ids, _)))| {
+            generate::Sequence::new(model, tok.inner(), cache, ids, opts, sampler)
+                .with_context(|| format!("prompt {}", i + 1))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut stdout = std::io::stdout().lock();
+    // One prompt streams its text as it comes; a batch prints each text at the end.
+    let stream = !a.json && seqs.len() == 1;
+    generate::run(model, &mut seqs, opts.interrupt, |_, text| {
+        if stream {
+            // A closed pipe (`| head`) ends the output, not the program with a panic.
+            let _ = stdout
+                .write_all(text.as_bytes())
+                .and_then(|_| stdout.flush());
+        }
+    })?;
+    let gens = seqs
+        .into_iter()
+        .map(|s| s.finish())
+        .collect::<tiny_decoder::Result<Vec<Generation>>>()?;
     let dtype = loaded.dtype_label();
     let peak = tiny_decoder::bench::peak_rss_bytes();
-    if json_mode {
-        let out = json!({
-            "prompt_token_ids": g.prompt_token_ids,
-            "token_ids": g.token_ids,
-            "text": g.text,
-            "stop_reason": g.stop_reason.as_str(),
-            "context_full": g.stop_reason == StopReason::Context,
-            "prefill_tokens_per_s": g.prefill_tokens_per_s(),
-            "decode_tokens_per_s": g.decode_tokens_per_s(),
-            "kv_cache_bytes": g.kv_cache_bytes,
-            "kv_bytes_per_token": g.kv_bytes_per_token,
-            "dtype": dtype,
-            "peak_rss_bytes": peak,
-            "seed": params.seed,
-            "chat_template_applied": applied,
-            "sampling": sampling_json(&params),
-        });
-        let _ = writeln!(stdout, "{out}");
-    } else {
-        let _ = writeln!(stdout);
-        eprintln!("{}", statistics(&g, a.max_new_tokens, dtype, peak));
-        eprintln!("{}", sampling_line(&params, applied));
+    for (i, (g, (_, applied))) in gens.iter().zip(&prompts).enumerate() {
+        if a.json {
+            let out = json!({
+                "prompt_token_ids": g.prompt_token_ids,
+                "token_ids": g.token_ids,
+                "text": g.text,
+                "stop_reason": g.stop_reason.as_str(),
+                "context_full": g.stop_reason == StopReason::Context,
+                "prefill_tokens_per_s": g.prefill_tokens_per_s(),
+                "decode_tokens_per_s": g.decode_tokens_per_s(),
+                "kv_cache_bytes": g.kv_cache_bytes,
+                "kv_bytes_per_token": g.kv_bytes_per_token,
+                "dtype": dtype,
+                "peak_rss_bytes": peak,
+                "seed": params.seed,
+                "chat_template_applied": applied,
+                "sampling": sampling_json(&params),
+                "batch_size": gens.len(),
+            });
+            let _ = writeln!(stdout, "{out}");
+            continue;
+        }
+        if !stream {
+            let _ = writeln!(stdout, "--- {} of {} ---\n{}", i + 1, gens.len(), g.text);
+        } else {
+            let _ = writeln!(stdout);
+        }
+        eprintln!("{}", statistics(g, a.max_new_tokens, dtype, peak));
     }
-    Ok(match g.stop_reason {
-        StopReason::Interrupted => EXIT_INTERRUPTED,
-        _ => 0,
+    if !a.json {
+        eprintln!("{}", sampling_line(&params, prompts[0].1));
+    }
+    let interrupted = gens
+        .iter()
+        .any(|g| g.stop_reason == StopReason::Interrupted);
+    Ok(match interrupted {
+        true => EXIT_INTERRUPTED,
+        false => 0,
     })
 }
 
@@ -115,25 +146,38 @@ pub fn check_stops(stops: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// `--prompt TEXT`, `--prompt -` (stdin) or `--prompt-file FILE`; `None` with `--messages`.
-fn prompt_text(a: &GenerateArgs) -> Result<Option<String>> {
-    let text = match (&a.prompt, &a.prompt_file) {
-        (Some(p), _) if p == "-" => {
-            let mut text = String::new();
-            std::io::stdin()
-                .read_to_string(&mut text)
-                .context("--prompt -: cannot read stdin as UTF-8 text")?;
-            text
-        }
-        (Some(p), _) => p.clone(),
-        (None, Some(file)) => std::fs::read_to_string(file)
-            .with_context(|| format!("{}: cannot read as UTF-8 text", file.display()))?,
-        (None, None) => return Ok(None),
+/// The prompts: each `--prompt TEXT` (`-` reads stdin), or each non-empty line of
+/// `--prompt-file FILE`; one `None` with `--messages`.
+fn prompt_texts(a: &GenerateArgs) -> Result<Vec<Option<String>>> {
+    let texts = match (a.prompt.as_slice(), &a.prompt_file) {
+        ([], Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("{}: cannot read as UTF-8 text", file.display()))?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect(),
+        ([], None) => return Ok(vec![None]),
+        (prompts, _) => prompts
+            .iter()
+            .map(|p| match p.as_str() {
+                "-" => {
+                    let mut text = String::new();
+                    std::io::stdin()
+                        .read_to_string(&mut text)
+                        .context("--prompt -: cannot read stdin as UTF-8 text")?;
+                    Ok(text)
+                }
+                _ => Ok(p.clone()),
+            })
+            .collect::<Result<Vec<_>>>()?,
     };
-    if text.is_empty() {
-        bail!("the prompt is empty");
+    if texts.is_empty() || texts.iter().any(String::is_empty) {
+        match &a.prompt_file {
+            Some(file) if a.prompt.is_empty() => bail!("{}: no prompt in it", file.display()),
+            _ => bail!("the prompt is empty"),
+        }
     }
-    Ok(Some(text))
+    Ok(texts.into_iter().map(Some).collect())
 }
 
 /// The prompt's ids, and whether the model's chat template made them: the template when the

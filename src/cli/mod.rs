@@ -167,6 +167,7 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
         loaded.weight_bytes(),
         b.prompt_tokens,
         b.new_tokens,
+        b.batch,
         expanded,
     )?;
     let mut out = serde_json::to_value(&r)?;
@@ -181,8 +182,15 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
     if b.json {
         println!("{out}");
     } else {
+        let batch = match r.batch {
+            1 => String::new(),
+            n => format!(
+                " ({n} sequences, {:.1} tok/s each)",
+                r.decode_tokens_per_s_per_sequence
+            ),
+        };
         println!(
-            "{} | prefill {:.1} tok/s | decode {:.1} tok/s | {:.1} GB/s read (machine {:.1} GB/s) | weights {} MB | KV {} bytes | peak RSS {} MB",
+            "{} | prefill {:.1} tok/s | decode {:.1} tok/s{batch} | {:.1} GB/s read (machine {:.1} GB/s) | weights {} MB | KV {} bytes | peak RSS {} MB",
             loaded.dtype_label(),
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,

@@ -1,6 +1,6 @@
 //! One decoder layer: pre-norm residual wiring around attention and the MLP.
 
-use super::attention::Attention;
+use super::attention::{Attention, Span};
 use super::mlp::Mlp;
 use super::rope::Rotation;
 use crate::config::ModelConfig;
@@ -28,18 +28,17 @@ impl DecoderLayer {
         })
     }
 
-    /// x: (B, T, C) -> (B, T, C).
+    /// x: (1, N, C), the packed tokens of `spans`, each sequence with its own cache ->
+    /// (1, N, C).
     pub fn forward(
         &self,
         x: &Tensor,
         rope: &Rotation,
-        mask: Option<&Tensor>,
-        cache: &LayerCache,
-        pos: usize,
+        spans: &[Span],
+        caches: &[&LayerCache],
     ) -> Result<Tensor> {
         let attn =
-            self.self_attn
-                .forward(&self.input_layernorm.forward(x)?, rope, mask, cache, pos)?;
+            (self.self_attn).forward(&self.input_layernorm.forward(x)?, rope, spans, caches)?;
         let x = (x + attn)?;
         let mlp = self
             .mlp

@@ -11,8 +11,8 @@ pub mod rope;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
-use attention::causal_mask;
+use crate::kv_cache::{KvCache, LayerCache};
+use attention::Span;
 use block::DecoderLayer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
@@ -162,51 +162,61 @@ impl Transformer {
         &self.layers
     }
 
-    /// Runs `ids` (B, T) through the stack after the tokens already in `cache`, writes their
-    /// keys and values into it, and returns the final hidden states (B, T, C).
-    fn hidden(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let (_, t) = ids.dims2()?;
-        cache.reserve(t)?;
-        let pos = cache.len();
-        // An id past the vocabulary is an error from candle's index_select, not a panic.
-        let act = activation_dtype(self.dtype(), self.device());
-        let mut x = self.embed_tokens.forward(ids)?.to_dtype(act)?;
-        // A single new token sees every cached key unless a sliding window hides some.
-        let s = pos + t;
-        let mask = match t > 1 || s > self.cfg.sliding_window {
-            true => Some(causal_mask(
-                t,
-                s,
-                self.cfg.sliding_window,
-                x.dtype(),
-                x.device(),
-            )?),
-            false => None,
-        };
-        let rotation = self.rope.at(pos, t)?;
-        for (layer, entry) in self.layers.iter().zip(cache.layers()) {
-            x = layer.forward(&x, &rotation, mask.as_ref(), entry, pos)?;
+    /// Runs every feed's ids, packed one sequence after another into (1, N), through the
+    /// stack after what that sequence's cache holds, writes their keys and values into it,
+    /// and returns the final hidden states (1, N, C) with each sequence's [`Span`] in them.
+    fn hidden(&self, feeds: &mut [Feed<'_>]) -> Result<(Tensor, Vec<Span>)> {
+        let dev = self.device();
+        let (mut ids, mut positions, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        for f in feeds.iter() {
+            let (t, pos) = (f.ids.len(), f.cache.len());
+            if t == 0 {
+                return Err(Error::Invalid("no tokens to run".into()));
+            }
+            f.cache.reserve(t)?;
+            // A single new token sees every cached key unless a sliding window hides some.
+            spans.push(Span::new(ids.len(), t, pos, self.cfg.sliding_window, dev)?);
+            positions.extend((pos..pos + t).map(|p| p as u32));
+            ids.extend_from_slice(f.ids);
         }
-        cache.advance(t);
-        Ok(self.norm.forward(&x)?)
+        // An id past the vocabulary is an error from candle's index_select, not a panic.
+        let act = activation_dtype(self.dtype(), dev);
+        let input = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?; // (1, N)
+        let mut x = self.embed_tokens.forward(&input)?.to_dtype(act)?;
+        let rotation = self.rope.at_positions(&positions)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let caches: Vec<&LayerCache> = feeds.iter().map(|f| &f.cache.layers()[i]).collect();
+            x = layer.forward(&x, &rotation, &spans, &caches)?;
+        }
+        for f in feeds.iter_mut() {
+            f.cache.advance(f.ids.len());
+        }
+        Ok((self.norm.forward(&x)?, spans))
     }
 
-    /// Logits (B, T, vocab) in f32 for every position of `ids`.
+    /// Logits (1, T, vocab) in f32 for every position of `ids` (1, T).
     pub fn forward(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let t = ids.dim(1)?;
         self.forward_tail(ids, cache, t)?
             .ok_or_else(|| Error::Invalid("no tokens to run".into()))
     }
 
-    /// Runs `ids` (B, T) and returns the logits (B, keep, vocab) in f32 of its last `keep`
-    /// positions only (the LM head runs on those), or `None` when `keep` is 0.
+    /// Runs `ids` (1, T), one sequence, and returns the logits (1, keep, vocab) in f32 of its
+    /// last `keep` positions only (the LM head runs on those), or `None` when `keep` is 0.
     pub fn forward_tail(
         &self,
         ids: &Tensor,
         cache: &mut KvCache,
         keep: usize,
     ) -> Result<Option<Tensor>> {
-        let x = self.hidden(ids, cache)?;
+        let rows = ids.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        let [ids] = rows.as_slice() else {
+            return Err(Error::Invalid(format!(
+                "one sequence per cache: got {} rows of ids",
+                rows.len()
+            )));
+        };
+        let (x, _) = self.hidden(&mut [Feed { ids, cache }])?;
         let t = x.dim(1)?;
         if keep == 0 {
             return Ok(None);
@@ -215,37 +225,48 @@ impl Transformer {
         Ok(Some(self.lm_head.forward(&x)?.to_dtype(DType::F32)?))
     }
 
-    /// Logits (B, vocab) in f32 for the last position only: the LM head runs once.
-    pub fn forward_last(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let logits = self.forward_tail(ids, cache, 1)?;
-        let logits = logits.ok_or_else(|| Error::Invalid("no tokens to run".into()))?;
-        Ok(logits.squeeze(1)?) // (B, vocab)
-    }
-
-    /// Feeds each sequence's ids after what its own cache holds and returns each one's
-    /// last-position logits, in order: the step of a batch (`generate` with several prompts,
-    /// `bench --batch`, the server's scheduler). Ids of different lengths are allowed (a
-    /// prompt chunk beside decode tokens); none may be empty.
-    pub fn next_logits_batch(&self, feeds: &mut [Feed<'_>]) -> Result<Vec<Vec<f32>>> {
-        // First form: one sequence after another (same results as the packed step to come).
-        feeds
-            .iter_mut()
-            .map(|f| self.next_logits(f.ids, f.cache))
-            .collect()
-    }
-
     /// Feeds `ids` after what `cache` holds (a whole prompt in chunks of [`PREFILL_CHUNK`], or
     /// one decode token) and returns the last position's logits: the one step of prefill and
     /// decode alike.
     pub fn next_logits(&self, ids: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
-        let mut logits = None;
-        for chunk in ids.chunks(PREFILL_CHUNK) {
-            let input = Tensor::new(chunk, self.device())?.unsqueeze(0)?; // (1, T)
-            logits = Some(self.forward_last(&input, cache)?);
+        let mut logits = self.next_logits_batch(&mut [Feed { ids, cache }])?;
+        Ok(logits.pop().expect("one sequence in, one out"))
+    }
+
+    /// Feeds each sequence's ids after what its own cache holds and returns each one's
+    /// last-position logits, in order: the step of every caller, one sequence or a batch
+    /// (`generate` with several prompts, `bench --batch`, the server's scheduler). Ids may
+    /// differ in length (a prompt chunk beside decode tokens); none may be empty. Prompts
+    /// run in rounds of at most [`PREFILL_CHUNK`] tokens per sequence; the LM head runs on
+    /// each sequence's last position only.
+    pub fn next_logits_batch(&self, feeds: &mut [Feed<'_>]) -> Result<Vec<Vec<f32>>> {
+        if feeds.is_empty() || feeds.iter().any(|f| f.ids.is_empty()) {
+            return Err(Error::Invalid("no tokens to run".into()));
         }
-        match logits {
-            Some(logits) => Ok(logits.squeeze(0)?.to_vec1::<f32>()?),
-            None => Err(Error::Invalid("no tokens to run".into())),
+        let longest = feeds.iter().map(|f| f.ids.len()).max().unwrap_or(0);
+        let mut logits = vec![Vec::new(); feeds.len()];
+        for from in (0..longest).step_by(PREFILL_CHUNK) {
+            let (mut round, mut which) = (Vec::new(), Vec::new());
+            for (i, f) in feeds.iter_mut().enumerate() {
+                let ids = f.ids;
+                if from < ids.len() {
+                    let to = (from + PREFILL_CHUNK).min(ids.len());
+                    round.push(Feed {
+                        ids: &ids[from..to],
+                        cache: &mut *f.cache,
+                    });
+                    which.push(i);
+                }
+            }
+            let (x, spans) = self.hidden(&mut round)?;
+            let last: Vec<u32> = spans.iter().map(|s| (s.start + s.len - 1) as u32).collect();
+            let last = Tensor::new(last.as_slice(), self.device())?;
+            let x = x.index_select(&last, 1)?; // (1, sequences, C)
+            let out = self.lm_head.forward(&x)?.to_dtype(DType::F32)?;
+            for (i, row) in which.into_iter().zip(out.squeeze(0)?.to_vec2::<f32>()?) {
+                logits[i] = row;
+            }
         }
+        Ok(logits)
     }
 }

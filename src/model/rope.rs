@@ -104,10 +104,12 @@ impl Rope {
         })
     }
 
-    /// The rotation for `t` tokens starting at position `pos`.
-    pub fn at(&self, pos: usize, t: usize) -> Result<Rotation> {
+    /// The rotation for tokens at the given positions, one row each (the packed tokens of a
+    /// batch step, each sequence at its own position).
+    pub fn at_positions(&self, positions: &[u32]) -> Result<Rotation> {
         let dev = self.inv_freq.device();
-        let positions = Tensor::arange(pos as u32, (pos + t) as u32, dev)?
+        let t = positions.len();
+        let positions = Tensor::new(positions, dev)?
             .to_dtype(DType::F32)?
             .reshape((t, 1))?;
         let angles = positions.matmul(&self.inv_freq)?; // (T, dim/2), in f32 like transformers

@@ -1,7 +1,7 @@
 //! Multi-head attention with `num_kv_heads` key/value heads: MHA when it equals the number of
 //! query heads, MQA when it is 1, GQA in between. One implementation for all three.
 
-use super::sdpa;
+use super::{join, sdpa, Span};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::Quantizer;
@@ -68,34 +68,41 @@ impl GqaAttention {
         quantize_all(&mut [qp, kp, vp, op], q)
     }
 
+    /// x: (1, N, C), the packed tokens of `spans` (see [`Span`]).
     pub fn forward(
         &self,
         x: &Tensor,
         rope: &Rotation,
-        mask: Option<&Tensor>,
-        cache: &LayerCache,
-        pos: usize,
+        spans: &[Span],
+        caches: &[&LayerCache],
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let (b, n, _) = x.dims3()?;
         let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        // 1. Project, split heads: (B, T, H, D)
-        let mut q = self.q_proj.forward(x)?.reshape((b, t, h, d))?;
-        let mut k = self.k_proj.forward(x)?.reshape((b, t, g, d))?;
-        let v = self.v_proj.forward(x)?.reshape((b, t, g, d))?;
+        // 1. Project every token, split heads: (1, N, H, D)
+        let mut q = self.q_proj.forward(x)?.reshape((b, n, h, d))?;
+        let mut k = self.k_proj.forward(x)?.reshape((b, n, g, d))?;
+        let v = self.v_proj.forward(x)?.reshape((b, n, g, d))?;
         // 2. Qwen3's per-head norm
         if let (Some(q_norm), Some(k_norm)) = (&self.q_norm, &self.k_norm) {
             q = q_norm.forward(&q)?;
             k = k_norm.forward(&k)?;
         }
-        // 3. RoPE on (B, H, T, D)
+        // 3. RoPE on (1, H, N, D), each token at its own position
         let q = rope.apply(&q.transpose(1, 2)?)?;
         let k = rope.apply(&k.transpose(1, 2)?)?;
-        let v = v.transpose(1, 2)?; // (B, G, T, D)
-                                    // 4. Write this step into the cache, attend over everything cached
-        let (k, v) = cache.write(&k, &v, pos)?; // (B, G, S, D)
-        let y = sdpa(&q, &k, &v, 1.0 / (d as f64).sqrt(), mask)?; // (B, H, T, D)
-                                                                  // 5. Merge heads, output projection
-        let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
-        self.o_proj.forward(&y)
+        let v = v.transpose(1, 2)?; // (1, G, N, D)
+                                    // 4. Per sequence: write its tokens into its cache, attend over all it holds
+        let ys = spans
+            .iter()
+            .zip(caches)
+            .map(|(span, cache)| {
+                let (k, v) = cache.write(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos)?;
+                let q = span.rows(&q, 2)?;
+                let y = sdpa(&q, &k, &v, 1.0 / (d as f64).sqrt(), span.mask.as_ref())?;
+                y.transpose(1, 2)?.reshape((b, span.len, h * d)) // (1, len, H·D)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // 5. Heads merged, output projection over every token
+        self.o_proj.forward(&join(ys)?)
     }
 }

@@ -11,7 +11,7 @@
 //! halves are kept: both forms use them (two products up-project, where the checkpoint's
 //! matrix made one), so the layer holds each weight once.
 
-use super::{attend, sdpa};
+use super::{attend, join, sdpa, Span};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::Quantizer;
@@ -115,35 +115,17 @@ impl MlaAttention {
         quantize_all(&mut linears, q)
     }
 
-    /// One new token takes the absorbed form, a prompt the expanded one. With a
-    /// [`LayerCache::Kv`] (see [`crate::KvCache::expanded`]) the up-projected K/V are cached.
+    /// x: (1, N, C), the packed tokens of `spans` (see [`Span`]). A span of one new token
+    /// takes the absorbed form, a prompt chunk the expanded one. With a [`LayerCache::Kv`]
+    /// (see [`crate::KvCache::expanded`]) the up-projected K/V are cached.
     pub fn forward(
         &self,
         x: &Tensor,
         rope: &Rotation,
-        mask: Option<&Tensor>,
-        cache: &LayerCache,
-        pos: usize,
+        spans: &[Span],
+        caches: &[&LayerCache],
     ) -> Result<Tensor> {
-        let form = if x.dim(1)? == 1 {
-            MlaForm::Absorbed
-        } else {
-            MlaForm::Expanded
-        };
-        self.forward_form(x, rope, mask, cache, pos, form)
-    }
-
-    /// Runs the layer in the given form (`forward` picks it by T; tests compare the two).
-    pub fn forward_form(
-        &self,
-        x: &Tensor,
-        rope: &Rotation,
-        mask: Option<&Tensor>,
-        cache: &LayerCache,
-        pos: usize,
-        form: MlaForm,
-    ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
+        let (b, n, _) = x.dims3()?;
         let m = &self.cfg;
         let (h, r, nope, rope_dim) = (
             self.num_heads,
@@ -151,7 +133,7 @@ impl MlaAttention {
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
         );
-        // 1. Query: (B, H, T, nope + rope), split into its two parts
+        // 1. Query: (1, H, N, nope + rope), split into its two parts
         let q = match &self.query {
             QueryProj::Direct { q_proj } => q_proj.forward(x)?,
             QueryProj::LowRank {
@@ -160,40 +142,66 @@ impl MlaAttention {
                 q_b_proj,
             } => q_b_proj.forward(&q_a_layernorm.forward(&q_a_proj.forward(x)?)?)?,
         };
-        let q = q.reshape((b, t, h, nope + rope_dim))?.transpose(1, 2)?;
+        let q = q.reshape((b, n, h, nope + rope_dim))?.transpose(1, 2)?;
         let q_nope = q.narrow(D::Minus1, 0, nope)?;
-        // (B, H, T, rope)
+        // (1, H, N, rope)
         let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?)?;
-        // 2. Latent and shared RoPE key: (B, 1, T, r) and (B, 1, T, rope)
+        // 2. Latent and shared RoPE key: (1, 1, N, r) and (1, 1, N, rope)
         let kv = self.kv_a_proj_with_mqa.forward(x)?;
         let c_kv = self
             .kv_a_layernorm
             .forward(&kv.narrow(D::Minus1, 0, r)?)?
             .unsqueeze(1)?;
         let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?)?;
-        // 3-4. Cache, then attend: (B, H, T, v_head_dim)
-        let q_full = || Tensor::cat(&[&q_nope, &q_pe], D::Minus1);
-        let y = match (cache, form) {
+        // 3-4. Per sequence: cache, then attend: (1, H, len, v_head_dim)
+        let ys = spans
+            .iter()
+            .zip(caches)
+            .map(|(span, cache)| {
+                let (q_nope, q_pe) = (span.rows(&q_nope, 2)?, span.rows(&q_pe, 2)?);
+                let (c_kv, k_pe) = (span.rows(&c_kv, 2)?, span.rows(&k_pe, 2)?);
+                let form = match span.len {
+                    1 => MlaForm::Absorbed,
+                    _ => MlaForm::Expanded,
+                };
+                let y = self.attend_span((&q_nope, &q_pe), (&c_kv, &k_pe), span, cache, form)?;
+                y.transpose(1, 2)?.reshape((b, span.len, h * m.v_head_dim))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // 5. Heads merged, output projection over every token
+        self.o_proj.forward(&join(ys)?)
+    }
+
+    /// One sequence's attention in the given form: writes its latent and RoPE key into
+    /// `cache` at `span.pos` and returns (1, H, len, v_head_dim).
+    fn attend_span(
+        &self,
+        (q_nope, q_pe): (&Tensor, &Tensor),
+        (c_kv, k_pe): (&Tensor, &Tensor),
+        span: &Span,
+        cache: &LayerCache,
+        form: MlaForm,
+    ) -> Result<Tensor> {
+        let (m, mask, pos) = (&self.cfg, span.mask.as_ref(), span.pos);
+        let q_full = || Tensor::cat(&[q_nope, q_pe], D::Minus1);
+        match (cache, form) {
             // The latent cache: only c_kv and k_pe are stored; read back all S positions.
             (LayerCache::Latent { .. }, MlaForm::Absorbed) => {
-                let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?; // (B, 1, S, r), (B, 1, S, rope)
-                self.absorbed(&q_nope, &q_pe, &c_kv, &k_pe, mask)?
+                let (c_kv, k_pe) = cache.write(c_kv, k_pe, pos)?; // (1, 1, S, r), (1, 1, S, rope)
+                self.absorbed(q_nope, q_pe, &c_kv, &k_pe, mask)
             }
             (LayerCache::Latent { .. }, MlaForm::Expanded) => {
-                let (c_kv, k_pe) = cache.write(&c_kv, &k_pe, pos)?;
+                let (c_kv, k_pe) = cache.write(c_kv, k_pe, pos)?;
                 let (k, v) = self.up_project(&c_kv, &k_pe)?;
-                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)?
+                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)
             }
             // For comparison only: cache the up-projected per-head K and V, as MHA would.
             (LayerCache::Kv { .. }, _) => {
-                let (k, v) = self.up_project(&c_kv, &k_pe)?;
-                let (k, v) = cache.write(&k, &v, pos)?; // (B, H, S, nope + rope), (B, H, S, v)
-                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)?
+                let (k, v) = self.up_project(c_kv, k_pe)?;
+                let (k, v) = cache.write(&k, &v, pos)?; // (1, H, S, nope + rope), (1, H, S, v)
+                sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)
             }
-        };
-        // 5. Merge heads, output projection
-        let y = y.transpose(1, 2)?.reshape((b, t, h * m.v_head_dim))?;
-        self.o_proj.forward(&y)
+        }
     }
 
     /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).

@@ -36,19 +36,66 @@ impl Attention {
         }
     }
 
-    /// x: (B, T, C) at positions `pos..pos + T`; `mask` is `None` for a single new token.
+    /// x: (1, N, C), the packed tokens of every sequence in `spans`, each attending over
+    /// its own cache (`caches[i]` is span i's); returns (1, N, C).
     pub fn forward(
         &self,
         x: &Tensor,
         rope: &Rotation,
-        mask: Option<&Tensor>,
-        cache: &LayerCache,
-        pos: usize,
+        spans: &[Span],
+        caches: &[&LayerCache],
     ) -> Result<Tensor> {
         match self {
-            Attention::Gqa(a) => a.forward(x, rope, mask, cache, pos),
-            Attention::Mla(a) => a.forward(x, rope, mask, cache, pos),
+            Attention::Gqa(a) => a.forward(x, rope, spans, caches),
+            Attention::Mla(a) => a.forward(x, rope, spans, caches),
         }
+    }
+}
+
+/// One sequence's tokens in a packed step: rows `start..start + len` of the step's tokens, at
+/// positions `pos..pos + len` of its own cache.
+///
+/// The sequences of a batch are packed one after another rather than padded to one length,
+/// so that the projections and the MLP run once over the tokens that exist (a decode step of
+/// eight sequences is one 8-row product, and a newcomer's prompt chunk rides along without
+/// padding the others to its length), and only attention is per sequence: a sequence's
+/// queries see its own cache alone, so no position of one sequence reaches another's.
+#[derive(Debug, Clone)]
+pub struct Span {
+    pub start: usize,
+    pub len: usize,
+    pub pos: usize,
+    /// The causal (and sliding-window) mask of the span's queries over its `pos + len` keys;
+    /// `None` for a single token that sees every cached key.
+    pub mask: Option<Tensor>,
+}
+
+impl Span {
+    pub fn new(start: usize, len: usize, pos: usize, window: usize, dev: &Device) -> Result<Self> {
+        let s = pos + len;
+        let mask = match len > 1 || s > window {
+            true => Some(causal_mask(len, s, window, DType::F32, dev)?),
+            false => None,
+        };
+        Ok(Self {
+            start,
+            len,
+            pos,
+            mask,
+        })
+    }
+
+    /// This span's rows of `x` along dimension `dim`.
+    pub fn rows(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        x.narrow(dim, self.start, self.len)
+    }
+}
+
+/// The spans' results, each (1, len, width), back in one (1, N, width) tensor.
+pub fn join(parts: Vec<Tensor>) -> Result<Tensor> {
+    match parts.len() {
+        1 => Ok(parts.into_iter().next().expect("one part")),
+        _ => Tensor::cat(&parts, 1),
     }
 }
 
