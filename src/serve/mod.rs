@@ -111,7 +111,10 @@ async fn listen(app: axum::Router, opts: &Options, cancel: Arc<AtomicBool>) -> R
     let (host, port) = (opts.host.as_str(), opts.port);
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
-        .map_err(|e| Error::Serve(format!("cannot listen on {host}:{port}: {e}")))?;
+        .map_err(|e| {
+            let hint = "pick another --host or --port (0: any free port)";
+            Error::Serve(format!("cannot listen on {host}:{port}: {e}: {hint}"))
+        })?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Serve(format!("cannot read the bound address: {e}")))?;

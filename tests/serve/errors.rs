@@ -144,3 +144,24 @@ fn sigterm_lets_a_running_stream_finish_and_exits_0() {
     assert!(status.success(), "{status:?}: {}", server.log());
     assert!(server.log().contains("shutting down"), "{}", server.log());
 }
+
+#[test]
+fn bad_flags_and_a_taken_port_fail_in_one_line() {
+    let fails = |args: &[&str], says: &str| {
+        let out = std::process::Command::new(super::harness::BIN)
+            .arg("serve")
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    };
+    fails(&["--context", "999"], "tiny-gqa's context length (256)");
+    fails(&["--max-queue", "0"], "at least 1");
+    fails(&["--api-key", ""], "must not be empty");
+    let server = Server::start(&[]);
+    let port = server.url.rsplit(':').next().unwrap().to_string();
+    fails(&["--port", &port], "cannot listen on 127.0.0.1:");
+}
