@@ -2,8 +2,9 @@
 """Continuous batching, measured through the HTTP API: `tiny-decoder serve` against itself.
 
 Starts `serve` (port 0, the port read from its stderr) and streams /v1/completions requests
-of N new tokens (greedy, on prompts that ask for long answers; a request that ends before N
-tokens is counted as `short`) in rounds that alternate:
+of N new tokens (greedy, on prompts that ask for long answers, with `ignore_eos` since the
+raw prompts often draw an EOS at once; a request that ends before N tokens is counted as
+`short`) in rounds that alternate:
 
   single:   one request alone                      -> its decode tok/s
   batch:    `--streams` (8) requests at once        -> aggregate decode tok/s
@@ -72,7 +73,7 @@ MODEL = None  # the id /v1/models lists
 def stream(port, prompt, tokens, out):
     """One streamed completion; appends {ttft, first, last, tokens, finish} to out."""
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tokens,
-                       "temperature": 0, "stream": True,
+                       "temperature": 0, "stream": True, "ignore_eos": True,
                        "stream_options": {"include_usage": True}})
     start = time.time()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)

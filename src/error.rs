@@ -23,6 +23,9 @@ pub enum Error {
     /// A chat template failed to compile or render (`line`: the template's line, 1-based).
     #[error("chat template{}: {msg}", line.map(|l| format!(", line {l}")).unwrap_or_default())]
     Template { line: Option<usize>, msg: String },
+    /// The server could not start or stopped with an error (an address in use, ...).
+    #[error("{0}")]
+    Serve(String),
     #[error("{}", candle_message(.0))]
     Candle(#[from] candle_core::Error),
 }

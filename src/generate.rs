@@ -4,7 +4,7 @@
 
 mod stop;
 
-pub use stop::StopStrings;
+pub use stop::{first_match, StopStrings};
 
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;

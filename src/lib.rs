@@ -16,6 +16,7 @@ pub mod kv_cache;
 pub mod loader;
 pub mod model;
 pub mod sampling;
+pub mod serve;
 
 pub use config::ModelConfig;
 pub use error::{Error, Result};

@@ -32,6 +32,9 @@ pub enum Command {
     },
     /// Time prefill and decode on synthetic ids (a checkpoint, or random weights from a config).
     Bench(BenchArgs),
+    /// An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health) that batches concurrent requests.
+    Serve(ServeArgs),
 }
 
 /// Where the model comes from and how it runs.
@@ -206,4 +209,30 @@ pub struct ChatArgs {
     /// One JSON object per turn (JSON lines) instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A local directory, a Hugging Face repo id, or a bundled model (default tiny-gqa).
+    #[arg(short, long)]
+    pub model: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port; the address is printed on stderr once bound.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests that run at once (one KV cache each, allocated at start).
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Requests that may wait for a free cache; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Tokens per request, prompt and completion (default: the model's context, at most 4096).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on /v1/* [default: $TINY_DECODER_API_KEY, else none].
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    #[command(flatten)]
+    pub placement: Placement,
 }

@@ -4,9 +4,11 @@
 pub mod args;
 mod chat;
 mod generate;
+mod serve;
 
 pub use chat::run_chat;
 pub use generate::run_generate;
+pub use serve::run_serve;
 
 use anyhow::{bail, Context, Result};
 use args::{BenchArgs, EvalArgs, ModelArgs, Placement};

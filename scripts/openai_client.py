@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""`tiny-decoder serve` through the official `openai` package: the checks of tests/serve
+(the Rust tests, the main proof), as a real OpenAI client sees them.
+
+    python -m venv target/venv-openai
+    target/venv-openai/bin/pip install -r scripts/requirements-openai.txt
+    target/venv-openai/bin/python scripts/openai_client.py [--bin target/debug/tiny-decoder]
+
+Starts the server itself on a free loopback port with the bundled tiny-gqa (and a copy of it
+with a chat template for chat), compares greedy replies with `generate --json`, and ends with
+the line `N passed, N failed` (exit 1 when any failed).
+"""
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import openai
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-gqa"
+
+
+class Server:
+    """`serve --port 0 ARGS`, killed on exit; stderr kept for the address and the log."""
+
+    def __init__(self, binary, args, env=None):
+        self.log = []
+        full_env = {k: v for k, v in os.environ.items() if k != "TINY_DECODER_API_KEY"}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [binary, "serve", "--port", "0", *args],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=full_env)
+        self.url = None
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1]
+                    ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60):
+            self.proc.kill()
+            raise RuntimeError("serve did not start: " + "".join(self.log))
+
+    def client(self, api_key="none"):
+        # No retries: a 429 must reach the test, not be retried away.
+        return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def generate(binary, model, prompt, n, raw=True):
+    args = [binary, "generate", "-m", model, "-p", prompt, "-t", "0", "-n", str(n), "--json"]
+    out = subprocess.run(args + (["--raw"] if raw else []), check=True, capture_output=True)
+    return json.loads(out.stdout)
+
+
+def finish_reason(stop_reason):
+    return {"eos": "stop", "stop": "stop", "length": "length"}[stop_reason]
+
+
+def expect_same(reply_text, finish, usage, g):
+    assert reply_text == g["text"], (reply_text, g["text"])
+    assert finish == finish_reason(g["stop_reason"]), (finish, g["stop_reason"])
+    assert usage.prompt_tokens == len(g["prompt_token_ids"]), usage
+    assert usage.completion_tokens == len(g["token_ids"]), usage
+
+
+def check_completions(binary, srv):
+    c = srv.client()
+    assert [m.id for m in c.models.list()] == [MODEL]
+    prompt = "ROMEO:\nBut soft, what light"
+    g = generate(binary, MODEL, prompt, 40)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    expect_same(r.choices[0].text, r.choices[0].finish_reason, r.usage, g)
+    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                  stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    expect_same(text, finish, chunks[-1].usage, g)
+
+
+def check_chat(binary, srv, model_dir):
+    c = srv.client()
+    model_id = model_dir.name
+    question = "What light through yonder window breaks?"
+    g = generate(binary, str(model_dir), question, 30, raw=False)
+    messages = [{"role": "user", "content": question}]
+    r = c.chat.completions.create(model=model_id, messages=messages, max_tokens=30,
+                                  temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    expect_same(r.choices[0].message.content, r.choices[0].finish_reason, r.usage, g)
+    stream = c.chat.completions.create(model=model_id, messages=messages, max_tokens=30,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    expect_same(text, finish, chunks[-1].usage, g)
+
+
+def check_concurrent(binary, srv):
+    lines = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed",
+             "KING RICHARD II:", "To be, or not", "MENENIUS:\nWhat work's, my countrymen",
+             "HAMLET:\nThe rest", "GLOUCESTER:\nNow is the winter", "A", "LADY CAPULET:",
+             "Second Servingman:", "O, she doth teach", "BRUTUS:\nRomans, countrymen",
+             "CORIOLANUS:", "Thou art", "Nurse:"]
+    cases = [(p, 20 + 7 * i) for i, p in enumerate(lines)]
+    want = [generate(binary, MODEL, p, n) for p, n in cases]
+    c = srv.client()
+
+    def ask(case):
+        p, n = case
+        return c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, cases))
+    for r, g in zip(replies, want):
+        expect_same(r.choices[0].text, r.choices[0].finish_reason, r.usage, g)
+
+
+def check_disconnect(srv):
+    c = srv.client()
+    stream = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=250,
+                                  temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 30
+    while not any("client went away" in line for line in srv.log):
+        assert time.time() < deadline, "".join(srv.log)
+        time.sleep(0.05)
+    r = c.completions.create(model=MODEL, prompt="JULIET:", max_tokens=5)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def check_full_queue(binary):
+    with Server(binary, ["--max-batch", "1", "--max-queue", "1"]) as srv:
+        c = srv.client()
+
+        def ask(_):
+            try:
+                c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=250)
+                return 200
+            except openai.RateLimitError:
+                return 429
+        with cf.ThreadPoolExecutor(10) as pool:
+            codes = list(pool.map(ask, range(10)))
+        assert 429 in codes and 200 in codes, codes
+
+
+def check_errors(binary, srv):
+    c = srv.client()
+    bad = [dict(prompt="a", n=2), dict(prompt="a", max_tokens=300), dict(prompt="a", top_p=0)]
+    for kwargs in bad:
+        try:
+            c.completions.create(model=MODEL, **kwargs)
+            raise AssertionError(f"{kwargs} succeeded")
+        except openai.BadRequestError:
+            pass
+    try:
+        c.completions.create(model="gpt-4o", prompt="a")
+        raise AssertionError("an unknown model succeeded")
+    except openai.NotFoundError as e:
+        assert e.code == "model_not_found", e
+    try:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("chat without a template succeeded")
+    except openai.BadRequestError:
+        pass
+    with Server(binary, [], env={"TINY_DECODER_API_KEY": "sekrit"}) as keyed:
+        try:
+            keyed.client("wrong").models.list()
+            raise AssertionError("a wrong key was accepted")
+        except openai.AuthenticationError:
+            pass
+        assert [m.id for m in keyed.client("sekrit").models.list()] == [MODEL]
+
+
+def tiny_with_template(tmp):
+    model_dir = Path(tmp) / "tiny-chat"
+    shutil.copytree(ROOT / "models" / MODEL, model_dir)
+    shutil.copy(ROOT / "tests/data/chat_templates/smollm2.jinja",
+                model_dir / "chat_template.jinja")
+    return model_dir
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin", default=str(ROOT / "target/debug/tiny-decoder"))
+    binary = ap.parse_args().bin
+    passed, failed = 0, 0
+    with tempfile.TemporaryDirectory() as tmp, Server(binary, []) as srv:
+        model_dir = tiny_with_template(tmp)
+        with Server(binary, ["-m", str(model_dir)]) as chat_srv:
+            checks = [
+                ("completions", lambda: check_completions(binary, srv)),
+                ("chat", lambda: check_chat(binary, chat_srv, model_dir)),
+                ("16 concurrent", lambda: check_concurrent(binary, srv)),
+                ("disconnect", lambda: check_disconnect(srv)),
+                ("full queue", lambda: check_full_queue(binary)),
+                ("errors", lambda: check_errors(binary, srv)),
+            ]
+            for name, check in checks:
+                try:
+                    check()
+                    passed += 1
+                    print(f"ok: {name}")
+                except Exception as e:  # report every check, then the count
+                    failed += 1
+                    print(f"FAILED: {name}: {type(e).__name__}: {e}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+//! `serve`: load the model, size the caches, and hand both to the library's server
+//! (`tiny_decoder::serve`), which runs until SIGINT or SIGTERM.
+
+use super::args::ServeArgs;
+use super::{chat_template, load};
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+use tiny_decoder::loader::bundled;
+use tiny_decoder::serve::{self, Model, Options};
+
+/// The context a request may fill unless `--context` says otherwise: llama.cpp's default,
+/// which bounds the caches of a model with a long context (each of `--max-batch` caches
+/// holds this many tokens).
+const DEFAULT_CONTEXT: usize = 4096;
+
+/// The variable that sets the API key when `--api-key` is not given.
+const API_KEY_VAR: &str = "TINY_DECODER_API_KEY";
+
+pub fn run_serve(a: ServeArgs) -> Result<()> {
+    if a.max_batch == 0 || a.max_queue == 0 {
+        bail!("--max-batch and --max-queue must be at least 1");
+    }
+    let api_key = match a.api_key {
+        Some(key) if key.is_empty() => bail!("--api-key: the key must not be empty"),
+        Some(key) => Some(key),
+        // An empty variable (`TINY_DECODER_API_KEY=`) means no key, as if unset.
+        None => std::env::var(API_KEY_VAR).ok().filter(|k| !k.is_empty()),
+    };
+    let name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
+    let mut loaded = load(name, &a.placement)?;
+    let max_context = loaded.model.config().max_position_embeddings;
+    let context = match a.context {
+        Some(c) if c == 0 || c > max_context => {
+            bail!("--context {c}: must be between 1 and {name}'s context length ({max_context})")
+        }
+        Some(c) => c,
+        None => max_context.min(DEFAULT_CONTEXT),
+    };
+    let template = chat_template(&loaded)?;
+    let tokenizer = loaded
+        .tokenizer
+        .take()
+        .with_context(|| format!("{name}: missing tokenizer.json (the server needs one)"))?;
+    let model = Model {
+        model: loaded.model,
+        tokenizer,
+        template,
+        generation: loaded.generation,
+    };
+    let opts = Options {
+        model_id: model_id(name),
+        host: a.host,
+        port: a.port,
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
+        context,
+        api_key,
+    };
+    Ok(serve::run(model, opts)?)
+}
+
+/// The id `/v1/models` lists: a directory's or file's name, else the argument itself (a
+/// bundled name, a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`).
+fn model_id(model: &str) -> String {
+    let path = Path::new(model);
+    if !path.exists() {
+        return model.to_string();
+    }
+    std::fs::canonicalize(path)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| model.to_string())
+}

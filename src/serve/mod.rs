@@ -1,0 +1,163 @@
+//! `tiny-decoder serve`: an OpenAI-compatible HTTP server with continuous batching.
+//!
+//! [`routes`] checks requests and answers in OpenAI's shapes ([`openai`]), whole or streamed
+//! as server-sent events ([`sse`]). One [`scheduler`] thread owns the model and the
+//! `--max-batch` KV caches, allocated here once; every request runs in one of them as a
+//! [`sequence`], batched with the others at each step. tokio serves HTTP on two threads of
+//! its own; the model's products keep the cores (candle's thread pool).
+
+mod openai;
+mod routes;
+mod scheduler;
+mod sequence;
+mod sse;
+
+pub use scheduler::PREFILL_PER_STEP;
+
+use crate::chat::ChatTemplate;
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::loader::{GenerationConfig, TextTokenizer};
+use crate::model::Transformer;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// How the server runs (the `serve` flags).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The id `/v1/models` lists; a request's `model`, when given, must be it.
+    pub model_id: String,
+    pub host: String,
+    /// 0 picks a free port (the address printed on stderr says which).
+    pub port: u16,
+    /// Sequences that run at once, each with its own cache.
+    pub max_batch: usize,
+    /// Requests that may wait for a cache; one more is answered 429.
+    pub max_queue: usize,
+    /// Tokens per request, prompt and completion: each cache's capacity.
+    pub context: usize,
+    /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
+    pub api_key: Option<String>,
+}
+
+/// The model and what goes with it.
+pub struct Model {
+    pub model: Transformer,
+    pub tokenizer: TextTokenizer,
+    /// `None`: `/v1/chat/completions` answers 400.
+    pub template: Option<ChatTemplate>,
+    pub generation: GenerationConfig,
+}
+
+/// Serves until SIGINT or SIGTERM, then lets running requests finish (a second signal
+/// cancels them) and returns.
+pub fn run(m: Model, opts: Options) -> Result<()> {
+    if opts.max_batch == 0 || opts.max_queue == 0 {
+        return Err(Error::Invalid(
+            "--max-batch and --max-queue must be at least 1".into(),
+        ));
+    }
+    let cfg = m.model.config().clone();
+    let (dtype, device) = (m.model.dtype(), m.model.device().clone());
+    let caches = (0..opts.max_batch)
+        .map(|_| KvCache::new(&cfg, opts.context, dtype, &device))
+        .collect::<Result<Vec<_>>>()?;
+    let bytes: usize = caches.iter().map(KvCache::bytes_allocated).sum();
+    eprintln!(
+        "serve: {} | {} sequences at once, {} tokens each (prompt + completion) | KV caches: \
+         {bytes} bytes, allocated once | queue: {} requests",
+        opts.model_id, opts.max_batch, opts.context, opts.max_queue
+    );
+    let cancel = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(scheduler::Stats::default());
+    let tokenizer = Arc::new(m.tokenizer.inner().clone());
+    let (queue, scheduler) = scheduler::spawn(
+        m.model,
+        tokenizer,
+        caches,
+        opts.max_queue,
+        cancel.clone(),
+        stats.clone(),
+    )
+    .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
+    let served = Arc::new(routes::Served {
+        model_id: opts.model_id.clone(),
+        created: routes::unix_now(),
+        tokenizer: m.tokenizer,
+        template: m.template,
+        generation: m.generation,
+        vocab_size: cfg.vocab_size,
+        context: opts.context,
+        max_batch: opts.max_batch,
+        queue,
+        stats,
+        api_key: opts.api_key.clone(),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Serve(format!("cannot start the HTTP runtime: {e}")))?;
+    let result = runtime.block_on(listen(routes::router(served), &opts, cancel));
+    // The router, and with it the queue's sender, is gone: the scheduler ends its running
+    // sequences (cancelled ones at once) and returns.
+    drop(runtime);
+    let _ = scheduler.join();
+    result
+}
+
+async fn listen(app: axum::Router, opts: &Options, cancel: Arc<AtomicBool>) -> Result<()> {
+    let (host, port) = (opts.host.as_str(), opts.port);
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| {
+            let hint = "pick another --host or --port (0: any free port)";
+            Error::Serve(format!("cannot listen on {host}:{port}: {e}: {hint}"))
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Serve(format!("cannot read the bound address: {e}")))?;
+    // Tests and scripts read this line for the port that `--port 0` picked.
+    eprintln!("listening on http://{addr}");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown(cancel))
+        .await
+        .map_err(|e| Error::Serve(format!("the server stopped: {e}")))
+}
+
+/// Resolves at the first SIGINT or SIGTERM: axum stops accepting connections and waits for
+/// the open ones, so running requests finish. A second signal sets `cancel`, and the
+/// scheduler ends every request at its next step (streams get an error event, then
+/// `[DONE]`).
+async fn shutdown(cancel: Arc<AtomicBool>) {
+    let mut signals = signals();
+    if signals.recv().await.is_none() {
+        // No signal handler could be installed: serve until killed.
+        std::future::pending::<()>().await;
+    }
+    eprintln!("shutting down: no new requests; running ones finish (signal again to cancel them)");
+    tokio::spawn(async move {
+        if signals.recv().await.is_some() {
+            eprintln!("cancelling running requests");
+            cancel.store(true, Ordering::Relaxed);
+        }
+    });
+}
+
+/// One message per SIGINT (Ctrl-C) or SIGTERM.
+fn signals() -> UnboundedReceiver<()> {
+    let (tx, rx) = unbounded_channel();
+    let interrupts = tx.clone();
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() && interrupts.send(()).is_ok() {}
+    });
+    #[cfg(unix)]
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            while term.recv().await.is_some() && tx.send(()).is_ok() {}
+        }
+    });
+    rx
+}

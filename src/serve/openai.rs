@@ -1,0 +1,309 @@
+//! The OpenAI HTTP API's shapes: requests as its clients send them (fields we do not know
+//! are ignored, as OpenAI ignores them), replies and stream chunks as its clients parse them,
+//! and its error body `{"error": {"message", "type", "param", "code"}}`.
+
+use super::scheduler::Finish;
+use crate::generate::StopReason;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// The fields `/v1/completions` and `/v1/chat/completions` share.
+#[derive(Debug, Default, Deserialize)]
+pub struct Params {
+    /// Absent is accepted (llama-server does the same); present, it must be the served id.
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    /// Chat's newer name for `max_tokens`; it wins when both are given.
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Not OpenAI's but llama-server's and vLLM's, and the `generate` flags' namesakes.
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    /// vLLM's and llama-server's: keep generating past EOS ids (for benchmarks).
+    pub ignore_eos: Option<bool>,
+    pub stop: Option<Stop>,
+    /// OpenAI's seed is any integer; a negative one is used as its two's complement.
+    pub seed: Option<i64>,
+    pub n: Option<usize>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl Params {
+    pub fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// Whether a stream ends with a chunk that carries `usage`.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+
+    pub fn max_tokens(&self) -> Option<usize> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    pub fn stops(&self) -> Vec<String> {
+        match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        }
+    }
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub params: Params,
+}
+
+/// `prompt`: text, token ids, or a list of texts (of which we serve one: `n` is 1).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub params: Params,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    /// `null` for an assistant turn that only called tools.
+    pub content: Option<Content>,
+}
+
+/// A message's content: a string, or a list of parts of which we read the text ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+impl Content {
+    /// The text of the message; a part other than text is an error.
+    pub fn text(&self) -> Result<String, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t.clone()),
+            Content::Parts(parts) => parts
+                .iter()
+                .map(|p| match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => Ok(t.as_str()),
+                    (kind, _) => Err(ApiError::bad_request(format!(
+                        "content part of type {kind:?} is not supported: only text parts are"
+                    ))),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// `finish_reason`: `stop` for an EOS token or a stop string, `length` for `max_tokens` or
+/// the end of the context.
+pub fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::Eos | StopReason::Stop | StopReason::Interrupted => "stop",
+        StopReason::Length | StopReason::Context => "length",
+    }
+}
+
+/// What every reply and chunk of one request repeats.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    /// `/v1/chat/completions` (messages and deltas) rather than `/v1/completions` (text).
+    pub chat: bool,
+}
+
+impl Reply {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, false) => "chat.completion",
+            (true, true) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        }
+    }
+
+    /// The whole reply of a request without `stream`.
+    pub fn whole(&self, f: &Finish) -> Value {
+        let reason = finish_reason(f.reason);
+        let choice = match self.chat {
+            true => json!({"index": 0, "message": {"role": "assistant", "content": f.text},
+                           "logprobs": null, "finish_reason": reason}),
+            false => json!({"index": 0, "text": f.text, "logprobs": null, "finish_reason": reason}),
+        };
+        json!({"id": self.id, "object": self.object(false), "created": self.created,
+               "model": self.model, "choices": [choice], "usage": usage(f)})
+    }
+
+    /// One chunk of a stream: `text` so far unsent (for chat, `None` with no reason is the
+    /// opening chunk that names the role), and the finish reason in the last one.
+    pub fn chunk(&self, text: Option<&str>, reason: Option<&str>, with_usage: bool) -> Value {
+        let choice = match self.chat {
+            true => {
+                let delta = match (text, reason) {
+                    (Some(t), _) => json!({"content": t}),
+                    (None, None) => json!({"role": "assistant", "content": ""}),
+                    (None, Some(_)) => json!({}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+            }
+            false => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+                            "finish_reason": reason}),
+        };
+        let mut chunk = json!({"id": self.id, "object": self.object(true),
+                               "created": self.created, "model": self.model,
+                               "choices": [choice]});
+        if with_usage {
+            // OpenAI's chunks carry `usage: null` until the last, extra one.
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    /// The extra last chunk of `stream_options.include_usage`: no choices, the counts.
+    pub fn usage_chunk(&self, f: &Finish) -> Value {
+        json!({"id": self.id, "object": self.object(true), "created": self.created,
+               "model": self.model, "choices": [], "usage": usage(f)})
+    }
+}
+
+fn usage(f: &Finish) -> Value {
+    json!({"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+           "total_tokens": f.prompt_tokens + f.completion_tokens})
+}
+
+/// An error reply: its status, and the body OpenAI's clients read.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, ...
+    pub kind: &'static str,
+    /// The request field at fault, if one is.
+    pub param: Option<&'static str>,
+    /// A machine-readable reason: `model_not_found`, `context_length_exceeded`, ...
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: String) -> Self {
+        Self {
+            status,
+            message,
+            kind,
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// 400: malformed JSON, a bad field, a prompt that does not fit.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            message.into(),
+        )
+    }
+
+    /// 400 naming the field at fault (`param`).
+    pub fn bad_field(param: &'static str, message: impl Into<String>) -> Self {
+        let mut e = Self::bad_request(message);
+        e.param = Some(param);
+        e
+    }
+
+    pub fn unauthorized() -> Self {
+        let m = "missing or wrong API key: send the header `Authorization: Bearer KEY` with the \
+                 key the server was started with (--api-key or TINY_DECODER_API_KEY)";
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", m.into())
+            .with_code("invalid_api_key")
+    }
+
+    pub fn model_not_found(asked: &str, served: &str) -> Self {
+        let m = format!("the model {asked:?} does not exist: this server serves {served:?}");
+        let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m);
+        e.param = Some("model");
+        e.with_code("model_not_found")
+    }
+
+    pub fn not_found(path: &str) -> Self {
+        let m = format!("no route {path}: see /v1/models, /v1/completions, /v1/chat/completions");
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m)
+    }
+
+    /// 429: the queue of waiting requests is full.
+    pub fn busy(max_queue: usize) -> Self {
+        let m = format!(
+            "the server is busy: {max_queue} requests are already waiting (--max-queue); retry later"
+        );
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", m).with_code("queue_full")
+    }
+
+    /// 500: the model step failed for this request.
+    pub fn internal(message: impl Into<String>) -> Self {
+        let status = StatusCode::INTERNAL_SERVER_ERROR;
+        Self::new(status, "server_error", message.into())
+    }
+
+    /// 503: the server is shutting down.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        let status = StatusCode::SERVICE_UNAVAILABLE;
+        Self::new(status, "server_error", message.into())
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                         "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}

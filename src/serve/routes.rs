@@ -1,0 +1,306 @@
+//! The HTTP side: routes, the API key, and a request made into a scheduler [`Job`]: parse
+//! (400), check the model (404), tokenize (chat through the model's template), resolve the
+//! sampling as `generate` does, check that it fits the context (400), queue it (429 when
+//! full), then reply whole or as a stream.
+
+use super::openai::{ApiError, ChatRequest, CompletionRequest, Params, Prompt, Reply};
+use super::scheduler::{Event, Job, Queue, Refused, Stats};
+use super::sse;
+use crate::chat::{ChatTemplate, Message};
+use crate::loader::{GenerationConfig, TextTokenizer};
+use crate::sampling::{Requested, Sampler};
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// What every handler reads; the model itself lives in the scheduler thread.
+pub struct Served {
+    /// The id `/v1/models` lists and requests may name.
+    pub model_id: String,
+    /// When the server started (Unix seconds), for `/v1/models`.
+    pub created: u64,
+    pub tokenizer: TextTokenizer,
+    pub template: Option<ChatTemplate>,
+    pub generation: GenerationConfig,
+    pub vocab_size: usize,
+    /// Tokens one request may hold, prompt and completion: the caches' capacity.
+    pub context: usize,
+    pub max_batch: usize,
+    pub queue: Queue,
+    pub stats: Arc<Stats>,
+    pub api_key: Option<String>,
+}
+
+type Shared = Arc<Served>;
+type Answer = Result<Response, ApiError>;
+
+pub fn router(served: Shared) -> Router {
+    let v1 = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(middleware::from_fn_with_state(served.clone(), auth));
+    Router::new()
+        .route("/health", get(health))
+        .merge(v1)
+        .fallback(not_found)
+        .with_state(served)
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(s): State<Shared>) -> Json<Value> {
+    let (running, largest) = (&s.stats.running, &s.stats.largest_batch);
+    Json(json!({"status": "ok", "max_batch": s.max_batch,
+                "running": running.load(Ordering::Relaxed),
+                "largest_batch": largest.load(Ordering::Relaxed)}))
+}
+
+fn model_object(s: &Served) -> Value {
+    json!({"id": s.model_id, "object": "model", "created": s.created,
+           "owned_by": "tiny-decoder", "context_length": s.context})
+}
+
+async fn models(State(s): State<Shared>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+async fn model(State(s): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    match id == s.model_id {
+        true => Ok(Json(model_object(&s))),
+        false => Err(ApiError::model_not_found(&id, &s.model_id)),
+    }
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+/// With `--api-key`, `/v1/*` needs `Authorization: Bearer KEY`; `/health` never does.
+async fn auth(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same(g.trim().as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares in time that does not depend on where the strings differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body as JSON, whatever its content type (curl's `-d` says form data).
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+fn check_model(s: &Served, p: &Params) -> Result<(), ApiError> {
+    match &p.model {
+        Some(m) if *m != s.model_id => Err(ApiError::model_not_found(m, &s.model_id)),
+        _ => Ok(()),
+    }
+}
+
+async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
+    let req: CompletionRequest = parse(&body)?;
+    check_model(&s, &req.params)?;
+    let encode = |text: &str| {
+        s.tokenizer
+            .encode(text)
+            .map_err(|e| ApiError::bad_field("prompt", e.to_string()))
+    };
+    let prompt = match &req.prompt {
+        Prompt::Text(t) => encode(t)?,
+        Prompt::Texts(t) if t.len() == 1 => encode(&t[0])?,
+        Prompt::Texts(t) => {
+            let m = format!(
+                "{} prompts in one request: send one prompt per request",
+                t.len()
+            );
+            return Err(ApiError::bad_field("prompt", m));
+        }
+        Prompt::Ids(ids) => match ids.iter().find(|&&id| id as usize >= s.vocab_size) {
+            Some(id) => {
+                let m = format!(
+                    "token id {id} is not below the vocabulary size {}",
+                    s.vocab_size
+                );
+                return Err(ApiError::bad_field("prompt", m));
+            }
+            None => ids.clone(),
+        },
+    };
+    respond(&s, prompt, &req.params, false).await
+}
+
+async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
+    let req: ChatRequest = parse(&body)?;
+    check_model(&s, &req.params)?;
+    let Some(template) = &s.template else {
+        let m = format!(
+            "{} has no chat template (chat_template.jinja or tokenizer_config.json): \
+             send plain text to /v1/completions",
+            s.model_id
+        );
+        return Err(ApiError::bad_request(m));
+    };
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_field(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        let content = m.content.as_ref().map(|c| c.text()).transpose()?;
+        messages.push(Message {
+            role: m.role.clone(),
+            content: content.unwrap_or_default(),
+        });
+    }
+    let text = template
+        .render(&messages, true)
+        .map_err(|e| ApiError::bad_field("messages", e.to_string()))?;
+    let prompt = s
+        .tokenizer
+        .encode_plain(&text)
+        .map_err(|e| ApiError::bad_field("messages", e.to_string()))?;
+    respond(&s, prompt, &req.params, true).await
+}
+
+/// Queues the request and replies: the whole text, or a stream of it.
+async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer {
+    let (max_tokens, sampler) = check(s, &prompt, p)?;
+    let (events, receiver) = unbounded_channel();
+    let job = Job {
+        prompt,
+        max_tokens,
+        stop: p.stops(),
+        ignore_eos: p.ignore_eos.unwrap_or(false),
+        sampler,
+        events,
+    };
+    s.queue.submit(job).map_err(|r| match r {
+        Refused::Full => ApiError::busy(s.queue.capacity),
+        Refused::Stopped => ApiError::unavailable(sse::SHUTDOWN),
+    })?;
+    let prefix = if chat { "chatcmpl" } else { "cmpl" };
+    let reply = Reply {
+        id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+        created: unix_now(),
+        model: s.model_id.clone(),
+        chat,
+    };
+    match p.stream() {
+        true => Ok(sse::response(reply, receiver, p.include_usage())),
+        false => whole(reply, receiver).await,
+    }
+}
+
+async fn whole(reply: Reply, mut events: UnboundedReceiver<Event>) -> Answer {
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Text(_) => {}
+            Event::Done(f) => return Ok(Json(reply.whole(&f)).into_response()),
+            Event::Failed(m) => return Err(ApiError::internal(m)),
+            Event::Cancelled => return Err(ApiError::unavailable(sse::SHUTDOWN)),
+        }
+    }
+    Err(ApiError::internal(sse::STOPPED))
+}
+
+/// `n`, the stop strings, the token budget and the sampling fields; returns `max_tokens`
+/// (absent: the rest of the context) and the sampler.
+fn check(s: &Served, prompt: &[u32], p: &Params) -> Result<(usize, Sampler), ApiError> {
+    if p.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_field(
+            "n",
+            "n must be 1: one choice per request",
+        ));
+    }
+    if p.stops().iter().any(String::is_empty) {
+        return Err(ApiError::bad_field(
+            "stop",
+            "a stop string must not be empty",
+        ));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::bad_field(
+            "prompt",
+            "the prompt encodes to no tokens",
+        ));
+    }
+    let max_tokens = match p.max_tokens() {
+        Some(0) => {
+            return Err(ApiError::bad_field(
+                "max_tokens",
+                "max_tokens must be at least 1",
+            ))
+        }
+        Some(m) => m,
+        None => s.context.saturating_sub(prompt.len()).max(1),
+    };
+    let total = prompt.len().saturating_add(max_tokens);
+    if total > s.context {
+        let m = format!(
+            "this model's maximum context length is {} tokens per request (--context), but {total} \
+             were requested ({} in the prompt, {max_tokens} for the completion): shorten the \
+             prompt or lower max_tokens",
+            s.context,
+            prompt.len()
+        );
+        return Err(ApiError::bad_request(m).with_code("context_length_exceeded"));
+    }
+    Ok((max_tokens, sampler(s, p)?))
+}
+
+/// The sampler for the request's fields; one left out takes generation_config.json's value,
+/// else llama.cpp's, as in `generate`. The seed is random unless given.
+fn sampler(s: &Served, p: &Params) -> Result<Sampler, ApiError> {
+    let bad = |field: &'static str, rule: &str, v: f32| {
+        Err(ApiError::bad_field(
+            field,
+            format!("{field} must be {rule}, got {v}"),
+        ))
+    };
+    match (p.temperature, p.top_p, p.min_p, p.repeat_penalty) {
+        (Some(t), ..) if t < 0.0 => return bad("temperature", ">= 0", t),
+        (_, Some(v), ..) if !(v > 0.0 && v <= 1.0) => return bad("top_p", "in (0, 1]", v),
+        (_, _, Some(v), _) if !(0.0..=1.0).contains(&v) => return bad("min_p", "in [0, 1]", v),
+        (.., Some(v)) if v <= 0.0 => return bad("repeat_penalty", "> 0", v),
+        _ => {}
+    }
+    let requested = Requested {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repeat_penalty: p.repeat_penalty,
+        seed: p.seed.map(|s| s as u64),
+    };
+    Sampler::new(&requested.resolve(&s.generation))
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}

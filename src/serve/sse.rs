@@ -1,0 +1,95 @@
+//! A streamed reply as server-sent events in OpenAI's chunk format: `data: {chunk}\n\n` for
+//! each piece of text, a last chunk with the finish reason (then one with `usage` when the
+//! request asked), and `data: [DONE]`. Dropping the stream (the client closed the connection)
+//! drops the request's receiver, which the scheduler notices at its next step.
+
+use super::openai::{finish_reason, ApiError, Reply};
+use super::scheduler::Event;
+use axum::body::{Body, Bytes};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::response::{IntoResponse, Response};
+use futures_core::Stream;
+use serde_json::Value;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub fn response(reply: Reply, events: UnboundedReceiver<Event>, include_usage: bool) -> Response {
+    let chunks = Chunks {
+        reply,
+        events,
+        include_usage,
+        opened: false,
+        ended: false,
+    };
+    let headers = [
+        (CONTENT_TYPE, "text/event-stream"),
+        (CACHE_CONTROL, "no-cache"),
+    ];
+    (headers, Body::from_stream(chunks)).into_response()
+}
+
+/// The events of one request, as the bytes of its stream.
+struct Chunks {
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+    include_usage: bool,
+    /// Whether chat's opening chunk (the assistant's role) was sent.
+    opened: bool,
+    /// Whether `[DONE]` was sent.
+    ended: bool,
+}
+
+fn data(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+const DONE: &str = "data: [DONE]\n\n";
+
+impl Chunks {
+    /// The bytes for one event; the last ones end with `[DONE]`.
+    fn bytes(&mut self, event: Option<Event>) -> String {
+        let usage = self.include_usage;
+        let end = match event {
+            Some(Event::Text(t)) => return data(&self.reply.chunk(Some(&t), None, usage)),
+            Some(Event::Done(f)) => {
+                let reason = finish_reason(f.reason);
+                let mut out = data(&self.reply.chunk(None, Some(reason), usage));
+                if usage {
+                    out += &data(&self.reply.usage_chunk(&f));
+                }
+                out
+            }
+            // An error after the headers went out: OpenAI's clients raise it from the body.
+            Some(Event::Failed(m)) => data(&ApiError::internal(m).body()),
+            Some(Event::Cancelled) => data(&ApiError::unavailable(SHUTDOWN).body()),
+            None => data(&ApiError::internal(STOPPED).body()),
+        };
+        self.ended = true;
+        end + DONE
+    }
+}
+
+/// The message of a request the shutdown cancelled.
+pub const SHUTDOWN: &str = "the server is shutting down";
+/// The message of a request whose scheduler went away without ending it (a bug).
+pub const STOPPED: &str = "the scheduler stopped before this request ended";
+
+impl Stream for Chunks {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        if this.reply.chat && !this.opened {
+            this.opened = true;
+            let opening = data(&this.reply.chunk(None, None, this.include_usage));
+            return Poll::Ready(Some(Ok(opening.into())));
+        }
+        let event = ready!(this.events.poll_recv(cx));
+        Poll::Ready(Some(Ok(this.bytes(event).into())))
+    }
+}
