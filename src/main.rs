@@ -1,4 +1,4 @@
-//! The `tiny-decoder` command line: generate, eval, info, bench ([`cli`]). Errors end here
+//! The `tiny-decoder` command line: generate, chat, eval, info, bench, convert ([`cli`]). Errors end here
 //! as one line on stderr and a non-zero exit; clap's own messages are printed whole.
 
 mod cli;
@@ -42,6 +42,7 @@ fn run() -> anyhow::Result<i32> {
         Command::Eval(a) => cli::run_eval(a).map(|_| 0),
         Command::Info { model, json } => cli::run_info(model, json).map(|_| 0),
         Command::Bench(b) => cli::run_bench(b).map(|_| 0),
+        Command::Convert(a) => cli::run_convert(a).map(|_| 0),
     }
 }
 
