@@ -102,7 +102,7 @@ impl Conversion {
     /// What was done, timed from [`Self::prepare`] to now.
     pub fn report(&self) -> Report {
         Report {
-            plan: self.plan.clone(),
+            plan: self.plan,
             secs: self.start.elapsed().as_secs_f64(),
             calibration_tokens: self.moments.as_ref().map_or(0, |m| m.tokens),
         }
