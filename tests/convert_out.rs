@@ -174,7 +174,12 @@ fn convert_refuses_bad_input_in_one_line_and_leaves_nothing() {
         std::fs::read_to_string(root.join("taken/keep.txt")).unwrap(),
         "mine"
     );
-    convert("tiny-gqa", "mqa,method=mean", &out("a-file/out"), "a-file");
+    convert(
+        "tiny-gqa",
+        "mqa,method=mean",
+        &out("a-file/out"),
+        "cannot make --out's parent",
+    );
     convert(gguf.to_str().unwrap(), "mha", &out("new"), "not GGUF files");
     convert("tiny-gqa", "gqa:3", &out("new"), "gqa:3");
     let args = [

@@ -188,11 +188,13 @@ impl Partial {
             .ok_or_else(|| Error::file(out, "--out needs a directory name"))?;
         let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
         let parent = parent.unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent).map_err(|e| Error::file(parent, e))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::file(parent, format!("cannot make --out's parent: {e}")))?;
         let tmp = format!(".{}.partial-{}", name.to_string_lossy(), std::process::id());
         let path = parent.join(tmp);
         let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir(&path).map_err(|e| Error::file(out, e))?;
+        std::fs::create_dir(&path)
+            .map_err(|e| Error::file(out, format!("cannot write beside it: {e}")))?;
         Ok(Self { path, done: false })
     }
 
