@@ -1,6 +1,6 @@
-//! The `tiny-decoder` command line: generate, chat, eval, info, bench, serve ([`cli`]).
-//! Errors end here as one line on stderr and a non-zero exit; clap's own messages are
-//! printed whole.
+//! The `tiny-decoder` command line: generate, chat, eval, info, bench, serve, convert
+//! ([`cli`]). Errors end here as one line on stderr and a non-zero exit; clap's own
+//! messages are printed whole.
 
 mod cli;
 
@@ -44,6 +44,7 @@ fn run() -> anyhow::Result<i32> {
         Command::Info { model, json } => cli::run_info(model, json).map(|_| 0),
         Command::Bench(b) => cli::run_bench(b).map(|_| 0),
         Command::Serve(a) => cli::run_serve(a).map(|_| 0),
+        Command::Convert(a) => cli::run_convert(a).map(|_| 0),
     }
 }
 

@@ -35,6 +35,9 @@ pub enum Command {
     /// An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
     /// /health) that batches concurrent requests.
     Serve(ServeArgs),
+    /// Convert a checkpoint's attention (--attention) and write it as a Hugging Face
+    /// directory that transformers and this program load.
+    Convert(ConvertArgs),
 }
 
 /// Where the model comes from and how it runs.
@@ -235,4 +238,28 @@ pub struct ServeArgs {
     pub api_key: Option<String>,
     #[command(flatten)]
     pub placement: Placement,
+}
+
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// A local directory, a Hugging Face repo id, or a bundled model (safetensors only).
+    #[arg(short, long)]
+    pub model: String,
+    /// The attention to convert to: mha, mqa, gqa:G, with ,method=mean|aware [default:
+    /// aware].
+    #[arg(long, value_name = "SPEC")]
+    pub attention: String,
+    /// The text method=aware calibrates on [default: the technical prose that ships with
+    /// the program].
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
+    /// auto (each tensor in the checkpoint's dtype), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// The directory to write (must not exist, or be empty).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// One JSON object on stdout instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
 }

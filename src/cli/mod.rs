@@ -3,10 +3,12 @@
 
 pub mod args;
 mod chat;
+mod convert_cmd;
 mod generate;
 mod serve;
 
 pub use chat::run_chat;
+pub use convert_cmd::run_convert;
 pub use generate::run_generate;
 pub use serve::run_serve;
 
@@ -43,17 +45,7 @@ fn load_reported(model: &str, p: &Placement) -> Result<(Loaded, Option<convert::
     let Some(spec) = &p.attention else {
         return Ok((source.load(dtype, &device)?, None));
     };
-    let calibration = match &p.calibration {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("--calibration {}: cannot read", path.display()))?,
-        ),
-        None => None,
-    };
-    let request = convert::Request {
-        spec: spec.parse()?,
-        calibration,
-    };
+    let request = request(spec, p.calibration.as_deref())?;
     let bar = match std::io::stderr().is_terminal() {
         true => indicatif::ProgressBar::new(0).with_message("calibrating"),
         false => indicatif::ProgressBar::hidden(),
@@ -64,6 +56,21 @@ fn load_reported(model: &str, p: &Placement) -> Result<(Loaded, Option<convert::
     })?;
     bar.finish_and_clear();
     Ok((loaded, Some(report)))
+}
+
+/// `--attention SPEC` with the text of `--calibration FILE`.
+fn request(spec: &str, calibration: Option<&std::path::Path>) -> Result<convert::Request> {
+    let calibration = match calibration {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("--calibration {}: cannot read", path.display()))?,
+        ),
+        None => None,
+    };
+    Ok(convert::Request {
+        spec: spec.parse()?,
+        calibration,
+    })
 }
 
 /// A loaded model described as `info` reports it.

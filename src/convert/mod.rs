@@ -5,14 +5,17 @@
 //! the one every model runs.
 //!
 //! Methods that fit to activations first run the original model over a calibration text
-//! ([`calibrate`]); [`DEFAULT_CALIBRATION`] ships with the program.
+//! ([`calibrate`]); [`DEFAULT_CALIBRATION`] ships with the program. `convert` writes the
+//! same rewritten tensors out as a Hugging Face directory ([`write`]).
 
 pub mod calibrate;
 pub mod gqa;
 pub mod linalg;
 pub mod spec;
+mod write;
 
 pub use spec::{Layout, Method, Plan, Spec};
+pub use write::{write, Stage, Written};
 
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
@@ -46,6 +49,66 @@ pub struct Report {
     pub calibration_tokens: usize,
 }
 
+/// A conversion ready to apply: the plan, and what the fit measured on the calibration
+/// text. [`Self::rewrite`] is the one place converted tensors come from, whether they are
+/// loaded ([`load`]) or written out ([`write`]).
+pub struct Conversion {
+    plan: Plan,
+    heads: Heads,
+    moments: Option<Moments>,
+    start: Instant,
+}
+
+impl Conversion {
+    /// Plans `req` for `source` and, for a lossy activation-aware fit, runs the original
+    /// model over the calibration text. `progress(done, total)` follows its tokens.
+    pub fn prepare(
+        source: &Source,
+        req: &Request,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let start = Instant::now();
+        let cfg = source
+            .describe(DTypeArg::Fixed(DType::F32), &Device::Cpu)?
+            .cfg;
+        let plan = req.spec.plan(&cfg)?;
+        let heads = heads(&cfg, &plan)?;
+        let moments = match plan.method == Method::Aware && !plan.is_exact() {
+            true => Some(measure(source, req, progress)?),
+            false => None,
+        };
+        Ok(Self {
+            plan,
+            heads,
+            moments,
+            start,
+        })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The converted config, and `backend` with every layer's attention projections
+    /// replaced (the [`crate::loader::Rewrite`] door).
+    pub fn rewrite(
+        &self,
+        cfg: &ModelConfig,
+        backend: Box<dyn SimpleBackend>,
+    ) -> Result<(ModelConfig, Box<dyn SimpleBackend>)> {
+        rewrite(&self.plan, self.heads, cfg, backend, self.moments.as_ref())
+    }
+
+    /// What was done, timed from [`Self::prepare`] to now.
+    pub fn report(&self) -> Report {
+        Report {
+            plan: self.plan,
+            secs: self.start.elapsed().as_secs_f64(),
+            calibration_tokens: self.moments.as_ref().map_or(0, |m| m.tokens),
+        }
+    }
+}
+
 /// Loads `source` with its attention converted as `req` asks, at `dtype` on `device`.
 /// `progress(done, total)` follows the calibration's tokens.
 pub fn load(
@@ -55,26 +118,10 @@ pub fn load(
     req: &Request,
     progress: impl FnMut(usize, usize),
 ) -> Result<(Loaded, Report)> {
-    let start = Instant::now();
-    let cfg = source
-        .describe(DTypeArg::Fixed(DType::F32), &Device::Cpu)?
-        .cfg;
-    let plan = req.spec.plan(&cfg)?;
-    let heads = heads(&cfg, &plan)?;
-    let moments = match plan.method == Method::Aware && !plan.is_exact() {
-        true => Some(measure(source, req, progress)?),
-        false => None,
-    };
-    let rewrite = |cfg: &ModelConfig, backend: Box<dyn SimpleBackend>| {
-        rewrite(&plan, heads, cfg, backend, moments.as_ref())
-    };
+    let conversion = Conversion::prepare(source, req, progress)?;
+    let rewrite = |cfg: &ModelConfig, backend| conversion.rewrite(cfg, backend);
     let loaded = source.load_with(dtype, device, Some(&rewrite))?;
-    let report = Report {
-        plan,
-        secs: start.elapsed().as_secs_f64(),
-        calibration_tokens: moments.map_or(0, |m| m.tokens),
-    };
-    Ok((loaded, report))
+    Ok((loaded, conversion.report()))
 }
 
 /// The heads' shape, refusing what the aware fit cannot express.

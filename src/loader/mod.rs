@@ -106,6 +106,53 @@ impl Source {
     }
 }
 
+/// A checkpoint as it is stored, for writing a converted copy (`convert`): config.json as
+/// written, the validated config, every tensor's header, and the tensors themselves.
+pub struct Stored {
+    pub config: serde_json::Value,
+    pub cfg: ModelConfig,
+    /// Sorted by name; their dtypes are the ones a converted copy keeps.
+    pub tensors: Vec<TensorInfo>,
+    pub backend: Box<dyn SimpleBackend>,
+}
+
+impl Source {
+    /// The checkpoint's own files, unconverted and not built into a model.
+    pub fn stored(&self) -> Result<Stored> {
+        match self {
+            Source::Files(files) => {
+                let (_, cfg) = load_config(files)?;
+                let text = std::fs::read_to_string(&files.config)
+                    .map_err(|e| Error::file(&files.config, e))?;
+                let config = serde_json::from_str(&text)
+                    .map_err(|e| Error::file(&files.config, format!("not valid JSON: {e}")))?;
+                let tensors = headers::read_checked(&files.weights)?;
+                // SAFETY: as in `load_rewritten`: read-only, not written while mapped.
+                let mapped = unsafe { MmapedSafetensors::multi(&files.weights) }?;
+                let backend = Box::new(weights::Unmapping(mapped));
+                Ok(Stored {
+                    config,
+                    cfg,
+                    tensors,
+                    backend,
+                })
+            }
+            Source::Bundled(b) => Ok(Stored {
+                config: serde_json::from_str(b.config)
+                    .map_err(|e| Error::Invalid(format!("bundled {}: config.json: {e}", b.name)))?,
+                cfg: bundled_config(b)?.validate()?,
+                tensors: bundled_headers(b)?,
+                backend: Box::new(candle_core::safetensors::SliceSafetensors::new(b.weights)?),
+            }),
+            Source::Gguf(_) => Err(Error::Invalid(
+                "convert reads safetensors checkpoints, not GGUF files: use the model's Hugging \
+                 Face directory"
+                    .into(),
+            )),
+        }
+    }
+}
+
 /// A model described from its files alone (`info`).
 #[derive(Debug, Clone)]
 pub struct Description {

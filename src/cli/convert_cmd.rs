@@ -1,0 +1,64 @@
+//! `convert`: an attention conversion written as a Hugging Face directory, with progress on
+//! a terminal and one line (or JSON object) on what was written.
+
+use super::args::ConvertArgs;
+use super::{conversion_line, conversion_method, request};
+use anyhow::{bail, Result};
+use serde_json::json;
+use std::io::IsTerminal;
+use tiny_decoder::convert::{self, Stage};
+use tiny_decoder::loader::{self, DTypeArg};
+
+pub fn run_convert(a: ConvertArgs) -> Result<()> {
+    let dtype = match DTypeArg::parse(&a.dtype)? {
+        DTypeArg::Auto => None,
+        DTypeArg::Fixed(d) => Some(d),
+        DTypeArg::Quantized(_) => {
+            bail!(
+                "convert --dtype {}: writes f32, f16 or bf16 (quantize at load instead)",
+                a.dtype
+            )
+        }
+    };
+    let req = request(&a.attention, a.calibration.as_deref())?;
+    let source = loader::open(&a.model)?;
+    let bar = match std::io::stderr().is_terminal() {
+        true => indicatif::ProgressBar::new(0),
+        false => indicatif::ProgressBar::hidden(),
+    };
+    let written = convert::write(&source, &req, dtype, &a.out, |stage, done, total| {
+        bar.set_message(match stage {
+            Stage::Calibrating => "calibrating (tokens)",
+            Stage::Converting => "converting (tensors)",
+        });
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    let r = &written.report;
+    if a.json {
+        let out = json!({
+            "out": a.out,
+            "attention_spec": r.plan.spec.to_string(),
+            "num_key_value_heads": r.plan.to_kv_heads,
+            "original_num_key_value_heads": r.plan.from_kv_heads,
+            "conversion_method": conversion_method(r),
+            "conversion_secs": r.secs,
+            "calibration_tokens": r.calibration_tokens,
+            "tensors": written.tensors,
+            "tensor_bytes": written.bytes,
+            "files": written.files,
+        });
+        println!("{out}");
+    } else {
+        eprintln!("{}", conversion_line(r));
+        println!(
+            "wrote {}: {} tensors ({:.1} MB), {}",
+            a.out.display(),
+            written.tensors,
+            written.bytes as f64 / 1e6,
+            written.files.join(", ")
+        );
+    }
+    Ok(())
+}

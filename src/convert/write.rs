@@ -1,0 +1,215 @@
+//! `convert`: a converted checkpoint written as a standard Hugging Face directory
+//! (config.json, model.safetensors, the tokenizer and generation files) that loads back
+//! here, and for MHA/GQA/MQA in transformers, with the same results. The tensors come from
+//! [`Conversion::rewrite`], the door `--attention` loads through, so what is written is
+//! what `--attention` runs. The directory is built beside DIR under a temporary name and
+//! renamed into place at the end: a failure leaves nothing half-written.
+
+use super::{Conversion, Report, Request};
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::error::{Error, Result};
+use crate::loader::Source;
+use candle_core::{DType, Device};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Files that travel with the weights when the checkpoint has them.
+const COPIED: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// What [`write`] is doing, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Running the original over the calibration text (tokens).
+    Calibrating,
+    /// Taking the converted tensors (tensors).
+    Converting,
+}
+
+/// What [`write`] wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub report: Report,
+    pub tensors: usize,
+    /// Bytes of tensor data in model.safetensors.
+    pub bytes: usize,
+    /// The files of the directory, config.json and model.safetensors first.
+    pub files: Vec<String>,
+}
+
+/// Converts `source` as `req` asks and writes it to `out`, every tensor in its checkpoint
+/// dtype (`dtype`: all in that one instead). `out` must not exist or be empty.
+pub fn write(
+    source: &Source,
+    req: &Request,
+    dtype: Option<DType>,
+    out: &Path,
+    mut progress: impl FnMut(Stage, usize, usize),
+) -> Result<Written> {
+    check_out(out)?;
+    // Before anything slow: a GGUF file or a broken checkpoint is refused here.
+    let stored = source.stored()?;
+    let partial = Partial::create(out)?;
+    let conversion =
+        Conversion::prepare(source, req, |done, n| progress(Stage::Calibrating, done, n))?;
+    let (cfg, backend) = conversion.rewrite(&stored.cfg, stored.backend)?;
+    let mut tensors = Vec::with_capacity(stored.tensors.len());
+    let mut bytes = 0;
+    for (i, info) in stored.tensors.iter().enumerate() {
+        let want = match dtype.or(info.float_dtype()) {
+            Some(d) => d,
+            None => {
+                return Err(Error::Invalid(format!(
+                    "{}: dtype {} is not one convert writes (F32, F16, BF16)",
+                    info.name, info.dtype
+                )))
+            }
+        };
+        let t = backend
+            .get_unchecked(&info.name, want, &Device::Cpu)?
+            .contiguous()?;
+        bytes += t.elem_count() * want.size_in_bytes();
+        tensors.push((info.name.clone(), t));
+        progress(Stage::Converting, i + 1, stored.tensors.len());
+    }
+    let dir = &partial.path;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let refs = tensors.iter().map(|(n, t)| (n.as_str(), t));
+    let weights = dir.join("model.safetensors");
+    safetensors::serialize_to_file(refs, Some(metadata), &weights)
+        .map_err(|e| Error::file(&weights, e))?;
+    let config = config_json(&stored.config, &cfg, dtype)?;
+    let config_path = dir.join("config.json");
+    write_file(&config_path, config.as_bytes())?;
+    // safetensors creates its file owner-only (0600); give it the umask's mode, as config.json.
+    let mode = std::fs::metadata(&config_path).map_err(|e| Error::file(&config_path, e))?;
+    std::fs::set_permissions(&weights, mode.permissions()).map_err(|e| Error::file(&weights, e))?;
+    let mut files = vec!["config.json".to_string(), "model.safetensors".to_string()];
+    files.extend(copy_companions(source, dir)?);
+    partial.finish(out)?;
+    Ok(Written {
+        report: conversion.report(),
+        tensors: tensors.len(),
+        bytes,
+        files,
+    })
+}
+
+/// `out` must be free: absent, or an empty directory.
+fn check_out(out: &Path) -> Result<()> {
+    let taken = match std::fs::read_dir(out) {
+        Ok(mut entries) => entries.next().is_some(),
+        Err(_) => out.exists(),
+    };
+    match taken {
+        true => Err(Error::file(
+            out,
+            "already exists and is not an empty directory: choose a new --out",
+        )),
+        false => Ok(()),
+    }
+}
+
+/// The original config.json with the converted K/V heads, a top-level `rope_theta` beside
+/// `rope_parameters` (older readers look only there), and the dtype written when `--dtype`
+/// changed it. Everything else, architecture and model_type included, is kept.
+fn config_json(original: &Value, cfg: &ModelConfig, dtype: Option<DType>) -> Result<String> {
+    let mut v = original.clone();
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| Error::Config("not a JSON object".into()))?;
+    if let AttentionConfig::Gqa { num_kv_heads, .. } = cfg.attention {
+        obj.insert("num_key_value_heads".into(), json!(num_kv_heads));
+    }
+    obj.insert("rope_theta".into(), json!(cfg.rope.theta));
+    if let Some(d) = dtype {
+        let torch = match d {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            _ => "float32",
+        };
+        for key in ["dtype", "torch_dtype"] {
+            if obj.contains_key(key) {
+                obj.insert(key.into(), json!(torch));
+            }
+        }
+    }
+    serde_json::to_string_pretty(&v).map_err(|e| Error::Config(e.to_string()))
+}
+
+/// Copies the tokenizer and generation files beside the weights (a bundled model's
+/// tokenizer.json is written from the binary); returns their names.
+fn copy_companions(source: &Source, dir: &Path) -> Result<Vec<String>> {
+    let mut copied = Vec::new();
+    match source {
+        Source::Files(files) => {
+            let from = files.config.parent().unwrap_or(Path::new("."));
+            for name in COPIED {
+                let path = from.join(name);
+                if path.is_file() {
+                    std::fs::copy(&path, dir.join(name)).map_err(|e| Error::file(&path, e))?;
+                    copied.push(name.to_string());
+                }
+            }
+        }
+        Source::Bundled(b) => {
+            write_file(&dir.join("tokenizer.json"), b.tokenizer)?;
+            copied.push("tokenizer.json".to_string());
+        }
+        Source::Gguf(_) => {}
+    }
+    Ok(copied)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    std::fs::write(path, bytes).map_err(|e| Error::file(path, e))
+}
+
+/// The directory being written, `.NAME.partial-PID` beside the final one; removed on drop
+/// unless [`Partial::finish`] renamed it into place.
+struct Partial {
+    path: PathBuf,
+    done: bool,
+}
+
+impl Partial {
+    fn create(out: &Path) -> Result<Self> {
+        let name = out
+            .file_name()
+            .ok_or_else(|| Error::file(out, "--out needs a directory name"))?;
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
+        let parent = parent.unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::file(parent, format!("cannot make --out's parent: {e}")))?;
+        let tmp = format!(".{}.partial-{}", name.to_string_lossy(), std::process::id());
+        let path = parent.join(tmp);
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir(&path)
+            .map_err(|e| Error::file(out, format!("cannot write beside it: {e}")))?;
+        Ok(Self { path, done: false })
+    }
+
+    /// Renames the finished directory to `out` (which may be an empty directory).
+    fn finish(mut self, out: &Path) -> Result<()> {
+        std::fs::rename(&self.path, out).map_err(|e| Error::file(out, e))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
