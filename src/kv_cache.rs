@@ -15,7 +15,8 @@ pub enum LayerCache {
     /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
     Kv { k: Tensor, v: Tensor },
     /// MLA: the normalised latent `c_kv` (width kv_lora_rank) and the rotated shared key
-    /// `k_pe` (width qk_rope_head_dim), as one "head" each.
+    /// `k_pe` (width qk_rope_head_dim), as one "head" each. Low-rank K/V (`kv_latent_rank`):
+    /// the latent, and a `k_pe` of width 0.
     Latent { c_kv: Tensor, k_pe: Tensor },
 }
 
@@ -34,7 +35,9 @@ impl LayerCache {
         };
         let len = pos + a.dim(2)?;
         dst_a.slice_set(&a.to_dtype(dst_a.dtype())?.contiguous()?, 2, pos)?;
-        dst_b.slice_set(&b.to_dtype(dst_b.dtype())?.contiguous()?, 2, pos)?;
+        if b.elem_count() > 0 {
+            dst_b.slice_set(&b.to_dtype(dst_b.dtype())?.contiguous()?, 2, pos)?;
+        }
         Ok((dst_a.narrow(2, 0, len)?, dst_b.narrow(2, 0, len)?))
     }
 }

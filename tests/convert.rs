@@ -1,12 +1,12 @@
 //! Attention conversion (`--attention`): exact conversions (GQA → MHA, X → X) reproduce the
 //! original's greedy ids and mean NLL on a bundled model, stories260K and SmolLM2; the aware
-//! merge is exact where the merged heads are equal; the lossy MQA conversions of SmolLM2
-//! land where the issue says; bad specs are one-line errors that say what would work.
+//! merge is exact where the merged heads are equal; low-rank K/V at full rank is exact; the
+//! lossy MQA and low-rank conversions of SmolLM2 land where the issue says; bad specs are one-line errors that say what would work.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{checkpoint, greedy, BIN};
+use common::{checkpoint, full_logits, greedy, max_abs_diff, BIN};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
@@ -82,11 +82,13 @@ fn exact_conversions_of_bundled_models_reproduce_them() {
     // tiny-gqa: 4 query heads over 2 K/V heads.
     assert_exact(
         "tiny-gqa",
-        &[("mha", 4), ("gqa:4", 4), ("gqa:2", 2)],
+        &[("mha", 4), ("gqa:4", 4), ("gqa:2", 2), ("lowrank:128", 2)],
         "ROMEO:",
         &text,
     );
-    assert_exact("tiny-mqa", &[("mqa", 1), ("mha", 4)], "ROMEO:", &text);
+    // Full rank: 2 × K/V heads × head_dim 32.
+    let specs = [("mqa", 1), ("mha", 4), ("lowrank:64", 1)];
+    assert_exact("tiny-mqa", &specs, "ROMEO:", &text);
     assert_exact("tiny-mha", &[("mha", 4)], "ROMEO:", &text);
 }
 
@@ -107,7 +109,7 @@ fn exact_conversions_of_stories260k_reproduce_it() {
     // 8 query heads over 4 K/V heads.
     assert_exact(
         &dir,
-        &[("mha", 8), ("gqa:8", 8), ("gqa:4", 4)],
+        &[("mha", 8), ("gqa:8", 8), ("gqa:4", 4), ("lowrank:64", 4)],
         "Once upon a time",
         text,
     );
@@ -120,7 +122,7 @@ fn exact_conversions_of_smollm2_reproduce_it() {
     };
     let text = std::fs::read_to_string(data("passage.txt")).unwrap();
     // 9 query heads over 3 K/V heads.
-    let specs = [("mha", 9), ("gqa:3,method=aware", 3)];
+    let specs = [("mha", 9), ("gqa:3,method=aware", 3), ("lowrank:384", 3)];
     assert_exact(
         dir.to_str().unwrap(),
         &specs,
@@ -155,6 +157,50 @@ fn smollm2_to_mqa_aware_beats_mean_pooling_within_the_issue_bound() {
     );
     assert!(aware <= 2.2, "aware ΔNLL {aware}");
     assert!(mean > aware + 2.0, "mean ΔNLL {mean} vs aware {aware}");
+}
+
+/// The issue's bars for SmolLM2's low-rank K/V, calibrated on the default text and scored on
+/// held-out prose: `lowrank:128` (a third of the cache) ΔNLL ≤ +0.9 and `lowrank:256` ≤
+/// +0.15, with the weight-only SVD far behind; and the converted model's cache (latents,
+/// keys rebuilt each step) gives the logits of a full forward.
+#[test]
+fn smollm2_lowrank_within_the_issue_bounds() {
+    let Some(dir) = checkpoint("smollm2-135m-instruct") else {
+        return;
+    };
+    let dir = dir.to_str().unwrap();
+    let text = std::fs::read_to_string(data("passage.txt")).unwrap();
+    let base = nll(&original(dir), &text);
+    let delta = |spec: &str| {
+        let (conv, report) = convert(dir, spec, None);
+        assert_eq!(conv.model.config().attention_kind(), "lowrank");
+        (nll(&conv, &text) - base, report, conv)
+    };
+    let (svd, ..) = delta("lowrank:128,method=svd");
+    let (r256, ..) = delta("lowrank:256");
+    let (r128, report, conv) = delta("lowrank:128");
+    assert_eq!(report.plan.method, convert::Method::Aware);
+    let _ = writeln!(
+        std::io::stderr(),
+        "SmolLM2 low-rank K/V on passage.txt: ΔNLL lowrank:128 svd {svd:+.3}, aware {r128:+.3}; \
+         lowrank:256 aware {r256:+.3} (original {base:.4})"
+    );
+    assert!(r128 <= 0.9, "lowrank:128 ΔNLL {r128}");
+    assert!(r256 <= 0.15, "lowrank:256 ΔNLL {r256}");
+    assert!(svd > r128 + 1.0, "svd ΔNLL {svd} vs aware {r128}");
+
+    let ids = conv.tokenizer.as_ref().unwrap().encode(&text).unwrap();
+    let ids = &ids[..40];
+    let full = full_logits(&conv, ids);
+    let model = &conv.model;
+    let mut cache =
+        tiny_decoder::kv_cache::KvCache::new(model.config(), 40, model.dtype(), model.device())
+            .unwrap();
+    for (t, id) in ids.iter().enumerate() {
+        let step = model.next_logits(&[*id], &mut cache).unwrap();
+        let diff = max_abs_diff(&step, &full[t]);
+        assert!(diff < 1e-3, "position {t}: decode vs full forward {diff}");
+    }
 }
 
 /// Random projections for 4 query heads over 4 K/V heads where heads 0 = 1 and 2 = 3: the
@@ -279,8 +325,19 @@ fn bad_attention_specs_say_what_would_work() {
         &info("mqa,method=svd"),
         &["mla and lowrank", "mean or aware"],
     );
-    fails_with(&info("mla:64,rope=64"), &["not implemented yet", "mqa"]);
-    fails_with(&info("lowrank:128"), &["not implemented yet"]);
+    fails_with(
+        &info("mla:64,rope=64"),
+        &["not implemented yet", "lowrank:R"],
+    );
+    // tiny-gqa's keys and values: 2 K/V heads × head_dim 32, twice.
+    fails_with(
+        &info("lowrank:129"),
+        &["above the full rank", "at most 128"],
+    );
+    fails_with(
+        &info("lowrank:64,method=mean"),
+        &["method=mean applies to", "svd or aware"],
+    );
     fails_with(&info("sliding"), &["mha, mqa, gqa:G"]);
     let mla = ["info", "-m", "tiny-mla", "--attention", "mqa"];
     fails_with(&mla, &["MLA attention", "MHA/GQA/MQA checkpoints"]);
@@ -338,4 +395,20 @@ fn info_eval_and_bench_report_the_converted_attention() {
     ]);
     assert_eq!(b["attention"], "mqa");
     assert_eq!(b["kv_bytes_per_token"], kv(&info));
+
+    // A rank-64 latent caches 64 values per token and layer where GQA caches 2 × 2 × 32;
+    // kv_down (64 × 128) and k_up, v_up (64 each × 64) hold as many weights as k_proj, v_proj.
+    let low = common::run_json(&[
+        "info",
+        "-m",
+        "tiny-gqa",
+        "--attention",
+        "lowrank:64,method=svd",
+    ]);
+    assert_eq!(low["attention"], "lowrank");
+    assert_eq!(low["kv_latent_rank"], 64);
+    assert_eq!(low["num_key_value_heads"], 2);
+    assert_eq!(low["conversion_method"], "svd");
+    assert_eq!(2 * kv(&low), kv(&plain));
+    assert_eq!(params(&low), params(&plain));
 }

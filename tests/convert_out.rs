@@ -107,7 +107,20 @@ fn assert_round_trip(model: &str, spec: &str, kv_heads: usize, prompt: &str, tex
     assert_eq!(config["num_key_value_heads"], kv_heads);
     assert!(config["rope_theta"].as_f64().unwrap() > 0.0);
     assert_eq!(config["model_type"], "llama");
-    if let loader::Source::Files(files) = &source {
+    if let Some(rank) = spec.strip_prefix("lowrank:") {
+        // Our layout: the latent's rank in config.json, kv_down/k_up/v_up for k/v_proj.
+        let rank: u64 = rank.split(',').next().unwrap().parse().unwrap();
+        assert_eq!(config["kv_latent_rank"], rank);
+        let names = header_names(&out);
+        let has = |tail: &str| names.iter().filter(|(n, _)| n.ends_with(tail)).count();
+        assert_eq!(
+            has("kv_down.weight"),
+            has("q_proj.weight"),
+            "{model} {spec}"
+        );
+        assert_eq!(has("v_up.weight"), has("q_proj.weight"), "{model} {spec}");
+        assert_eq!(has("k_proj.weight") + has("v_proj.weight"), 0);
+    } else if let loader::Source::Files(files) = &source {
         let original = Path::new(&files.source);
         assert_eq!(header_names(&out), header_names(original), "{model} {spec}");
     }
@@ -125,6 +138,7 @@ fn converted_bundled_model_reloads_with_the_same_results() {
     .collect();
     assert_round_trip("tiny-gqa", "mha", 4, "ROMEO:", &text);
     assert_round_trip("tiny-gqa", "mqa,method=mean", 1, "ROMEO:", &text);
+    assert_round_trip("tiny-gqa", "lowrank:64,method=svd", 2, "ROMEO:", &text);
 }
 
 #[test]

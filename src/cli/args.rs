@@ -58,8 +58,9 @@ pub struct Placement {
     /// cpu, or cuda in a build with `--features cuda`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Convert the checkpoint's attention at load: mha, mqa, gqa:G (G K/V heads), with
-    /// ,method=mean|aware [default: aware, fitted on the calibration text].
+    /// Convert the checkpoint's attention at load: mha, mqa, gqa:G (G K/V heads) with
+    /// ,method=mean|aware, or lowrank:R (a rank-R latent of the keys and values) with
+    /// ,method=svd|aware [default: aware, fitted on the calibration text].
     #[arg(long, value_name = "SPEC")]
     pub attention: Option<String>,
     /// The text method=aware calibrates on [default: the technical prose that ships with
@@ -245,8 +246,8 @@ pub struct ConvertArgs {
     /// A local directory, a Hugging Face repo id, or a bundled model (safetensors only).
     #[arg(short, long)]
     pub model: String,
-    /// The attention to convert to: mha, mqa, gqa:G, with ,method=mean|aware [default:
-    /// aware].
+    /// The attention to convert to: mha, mqa, gqa:G with ,method=mean|aware, or lowrank:R
+    /// with ,method=svd|aware [default: aware].
     #[arg(long, value_name = "SPEC")]
     pub attention: String,
     /// The text method=aware calibrates on [default: the technical prose that ships with

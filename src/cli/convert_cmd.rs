@@ -37,7 +37,7 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
     bar.finish_and_clear();
     let r = &written.report;
     if a.json {
-        let out = json!({
+        let mut out = json!({
             "out": a.out,
             "attention_spec": r.plan.spec.to_string(),
             "num_key_value_heads": r.plan.to_kv_heads,
@@ -49,6 +49,9 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
             "tensor_bytes": written.bytes,
             "files": written.files,
         });
+        if let Some(l) = r.plan.latent {
+            out["kv_latent_rank"] = json!(l.rank);
+        }
         println!("{out}");
     } else {
         eprintln!("{}", conversion_line(r));

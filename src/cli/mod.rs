@@ -112,11 +112,16 @@ fn conversion_line(r: &convert::Report) -> String {
         0 => String::new(),
         n => format!(", calibrated on {n} tokens"),
     };
+    let shape = match p.latent {
+        Some(l) => format!(
+            "{} K/V heads through a rank-{} latent of {}",
+            p.to_kv_heads, l.rank, l.full
+        ),
+        None => format!("{} -> {} K/V heads", p.from_kv_heads, p.to_kv_heads),
+    };
     format!(
-        "attention converted to {} ({} -> {} K/V heads, method {}{calibration}) in {:.2} s",
+        "attention converted to {} ({shape}, method {}{calibration}) in {:.2} s",
         p.spec,
-        p.from_kv_heads,
-        p.to_kv_heads,
         conversion_method(r),
         r.secs
     )
@@ -146,8 +151,19 @@ fn attention_fields(cfg: &ModelConfig) -> serde_json::Value {
         AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
+            kv_latent_rank: None,
             ..
         } => json!({"num_key_value_heads": num_kv_heads, "head_dim": head_dim}),
+        AttentionConfig::Gqa {
+            num_kv_heads,
+            head_dim,
+            kv_latent_rank: Some(r),
+            ..
+        } => json!({
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "kv_latent_rank": r,
+        }),
         AttentionConfig::Mla(m) => json!({
             "kv_lora_rank": m.kv_lora_rank,
             "qk_rope_head_dim": m.qk_rope_head_dim,

@@ -40,6 +40,19 @@ pub(super) fn resolve(
         let msg = format!("num_attention_heads × head_dim ({heads} × {head_dim}) is too large");
         return Err(Error::Config(msg));
     }
+    let kv_latent_rank = match hf.kv_latent_rank {
+        None => None,
+        Some(r) => {
+            let (r, full) = (positive("kv_latent_rank", r)?, 2 * num_kv_heads * head_dim);
+            if r > full {
+                return Err(Error::Config(format!(
+                    "kv_latent_rank ({r}) is above the full rank of the keys and values \
+                     (2 × {num_kv_heads} K/V heads × head_dim {head_dim} = {full})"
+                )));
+            }
+            Some(r)
+        }
+    };
     let qwen2 = family == Family::Qwen2;
     let attention = AttentionConfig::Gqa {
         num_kv_heads,
@@ -47,6 +60,7 @@ pub(super) fn resolve(
         qkv_bias: qwen2 || hf.attention_bias,
         o_bias: !qwen2 && hf.attention_bias,
         qk_norm: family == Family::Qwen3,
+        kv_latent_rank,
     };
     let rope = super::rope::resolve(hf, head_dim, false)?;
     let mlp = MlpConfig::Dense {

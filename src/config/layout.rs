@@ -23,14 +23,18 @@ impl CacheLayout {
 }
 
 impl ModelConfig {
-    /// The attention variant's short name: `mha`, `mqa`, `gqa` or `mla`.
+    /// The attention variant's short name: `mha`, `mqa`, `gqa`, `lowrank` or `mla`.
     pub fn attention_kind(&self) -> &'static str {
         match &self.attention {
-            AttentionConfig::Gqa { num_kv_heads, .. }
-                if *num_kv_heads == self.num_attention_heads =>
-            {
-                "mha"
-            }
+            AttentionConfig::Gqa {
+                num_kv_heads,
+                kv_latent_rank: None,
+                ..
+            } if *num_kv_heads == self.num_attention_heads => "mha",
+            AttentionConfig::Gqa {
+                kv_latent_rank: Some(_),
+                ..
+            } => "lowrank",
             AttentionConfig::Gqa {
                 num_kv_heads: 1, ..
             } => "mqa",
@@ -44,6 +48,15 @@ impl ModelConfig {
     pub fn cache_layout(&self, expanded: bool) -> CacheLayout {
         let h = self.num_attention_heads;
         match &self.attention {
+            // The latent alone: MLA's layout with no shared RoPE key.
+            AttentionConfig::Gqa {
+                kv_latent_rank: Some(r),
+                ..
+            } => CacheLayout {
+                a: (1, *r),
+                b: (1, 0),
+                kv: false,
+            },
             AttentionConfig::Gqa {
                 num_kv_heads: g,
                 head_dim: d,
@@ -93,8 +106,16 @@ impl ModelConfig {
             AttentionConfig::Gqa {
                 num_kv_heads: g,
                 head_dim: d,
+                kv_latent_rank,
                 ..
-            } => h * *d as u128 * (2 * heads + 2 * *g as u128),
+            } => {
+                let (d, g) = (*d as u128, *g as u128);
+                let kv = match kv_latent_rank {
+                    Some(r) => *r as u128 * (h + 2 * g * d),
+                    None => h * 2 * g * d,
+                };
+                h * d * 2 * heads + kv
+            }
             AttentionConfig::Mla(m) => {
                 let [r_q, r_kv, nope, rope, v] = [
                     m.q_lora_rank,

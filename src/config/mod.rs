@@ -45,6 +45,9 @@ pub struct HfConfig {
     pub num_attention_heads: i64,
     pub num_key_value_heads: Option<i64>,
     pub head_dim: Option<i64>,
+    /// Ours, written by `convert --attention lowrank:R`: K and V come from one rank-R latent
+    /// of the attention input, which is what the cache holds (see [`AttentionConfig::Gqa`]).
+    pub kv_latent_rank: Option<i64>,
     pub max_position_embeddings: i64,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
@@ -90,6 +93,12 @@ pub enum AttentionConfig {
         o_bias: bool,
         /// Per-head RMSNorm of q and k before RoPE (Qwen3).
         qk_norm: bool,
+        /// Low-rank K/V (ours, config.json `kv_latent_rank`, from `--attention lowrank:R`):
+        /// `k_proj`/`v_proj` are replaced by `kv_down` (C → R, with the q/k/v bias) and
+        /// `k_up`, `v_up` (R → G·D); the cache holds the R-wide latent, and the keys are
+        /// rebuilt and rotated from it at every step (Palu's layout: not absorbable, RoPE
+        /// stays on every key dimension).
+        kv_latent_rank: Option<usize>,
     },
     /// DeepSeek's multi-head latent attention.
     Mla(deepseek::MlaConfig),

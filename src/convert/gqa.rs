@@ -38,7 +38,7 @@ pub struct Heads {
 }
 
 impl Heads {
-    fn pair(&self, i: usize) -> (usize, usize) {
+    pub(super) fn pair(&self, i: usize) -> (usize, usize) {
         match self.interleaved {
             true => (2 * i, 2 * i + 1),
             false => (i, i + self.d / 2),

@@ -11,6 +11,7 @@
 pub mod calibrate;
 pub mod gqa;
 pub mod linalg;
+pub mod lowrank;
 pub mod spec;
 mod write;
 
@@ -188,16 +189,28 @@ fn rewrite(
             o: get("o_proj", "weight")?.to_dtype(DType::F64)?,
         };
         let moment = moments.map(|m| &m.per_layer[layer]);
-        let out = gqa::convert(plan, heads, &w, moment)?;
         let c = cfg.hidden_size;
-        for (p, t) in [("q_proj", &out.q), ("k_proj", &out.k), ("v_proj", &out.v)] {
+        // An augmented (rows, C + 1) projection as its weight and, where the model has
+        // them, its bias.
+        let mut put = |p: &str, t: &Tensor| -> Result<()> {
             replaced.insert(name(p, "weight"), t.narrow(1, 0, c)?.to_dtype(DType::F32)?);
             if qkv_bias {
-                replaced.insert(
-                    name(p, "bias"),
-                    t.narrow(1, c, 1)?.squeeze(1)?.to_dtype(DType::F32)?,
-                );
+                let bias = t.narrow(1, c, 1)?.squeeze(1)?.to_dtype(DType::F32)?;
+                replaced.insert(name(p, "bias"), bias);
             }
+            Ok(())
+        };
+        if plan.latent.is_some() {
+            let out = lowrank::convert(plan, heads, &w, moment)?;
+            put("kv_down", &out.down)?;
+            for (p, t) in [("k_up", &out.k_up), ("v_up", &out.v_up)] {
+                replaced.insert(name(p, "weight"), t.to_dtype(DType::F32)?);
+            }
+            continue;
+        }
+        let out = gqa::convert(plan, heads, &w, moment)?;
+        for (p, t) in [("q_proj", &out.q), ("k_proj", &out.k), ("v_proj", &out.v)] {
+            put(p, t)?;
         }
         replaced.insert(name("o_proj", "weight"), out.o.to_dtype(DType::F32)?);
     }

@@ -17,7 +17,8 @@ pub enum Layout {
     Gqa(usize),
     /// Cacheable MLA: a rank-R latent and a RoPE key W wide (parsed, not built yet).
     Mla { rank: usize, rope: usize },
-    /// A rank-R latent of the pre-RoPE keys and values (parsed, not built yet).
+    /// A rank-R latent of the pre-RoPE keys and values, keys rebuilt and rotated when
+    /// attending (see `convert::lowrank`).
     LowRank { rank: usize },
 }
 
@@ -49,6 +50,16 @@ pub struct Plan {
     pub from_kv_heads: usize,
     pub to_kv_heads: usize,
     pub method: Method,
+    /// `lowrank:R`: the latent's rank, and the full rank of the keys and values (2·G·D),
+    /// where the conversion is exact.
+    pub latent: Option<Latent>,
+}
+
+/// The rank of a `lowrank:R` conversion and the full rank it cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Latent {
+    pub rank: usize,
+    pub full: usize,
 }
 
 impl Method {
@@ -146,7 +157,9 @@ impl Spec {
     pub fn plan(&self, cfg: &ModelConfig) -> Result<Plan> {
         let AttentionConfig::Gqa {
             num_kv_heads,
+            head_dim,
             qk_norm,
+            kv_latent_rank,
             ..
         } = cfg.attention
         else {
@@ -155,7 +168,25 @@ impl Spec {
                  --attention applies to MHA/GQA/MQA checkpoints"
             )));
         };
+        if let Some(r) = kv_latent_rank {
+            return Err(bad(format!(
+                "{self}: this checkpoint already has low-rank K/V (kv_latent_rank {r}); \
+                 convert the original checkpoint instead"
+            )));
+        }
         let h = cfg.num_attention_heads;
+        let full = 2 * num_kv_heads * head_dim;
+        let latent = match self.layout {
+            Layout::LowRank { rank } if rank > full => {
+                return Err(bad(format!(
+                    "{self}: rank {rank} is above the full rank of this model's keys and \
+                     values (2 × {num_kv_heads} K/V heads × head_dim {head_dim} = {full}); \
+                     use lowrank:R with R at most {full}"
+                )))
+            }
+            Layout::LowRank { rank } => Some(Latent { rank, full }),
+            _ => None,
+        };
         let to = match self.layout {
             Layout::Mha => h,
             Layout::Mqa => 1,
@@ -175,25 +206,38 @@ impl Spec {
                 )));
             }
             Layout::Gqa(g) => g,
-            Layout::Mla { .. } | Layout::LowRank { .. } => {
+            Layout::LowRank { .. } => num_kv_heads,
+            Layout::Mla { .. } => {
                 return Err(bad(format!(
-                    "{self}: MLA and low-rank conversions are not implemented yet; \
-                     use mha, mqa or gqa:G"
+                    "{self}: MLA conversions are not implemented yet; use mha, mqa, gqa:G \
+                     or lowrank:R"
                 )))
             }
         };
+        let lossy = to < num_kv_heads || latent.is_some_and(|l| l.rank < l.full);
+        // What stands in for `aware` where it cannot apply.
+        let fallback = match latent {
+            Some(_) => Method::Svd,
+            None => Method::Mean,
+        };
         let method = match self.method {
-            None | Some(Method::Aware) if qk_norm && to < num_kv_heads => {
+            None | Some(Method::Aware) if qk_norm && lossy => {
                 if self.method.is_some() {
                     return Err(bad(format!(
                         "{self}: method=aware does not handle per-head q/k norms (qwen3); \
-                         use method=mean"
+                         use method={}",
+                        fallback.name()
                     )));
                 }
-                Method::Mean
+                fallback
             }
             None => Method::Aware,
-            Some(Method::Svd) => {
+            Some(Method::Mean) if latent.is_some() => {
+                return Err(bad(format!(
+                    "{self}: method=mean applies to mha, mqa and gqa:G; use svd or aware"
+                )))
+            }
+            Some(Method::Svd) if latent.is_none() => {
                 return Err(bad(format!(
                     "{self}: method=svd applies to mla and lowrank; use mean or aware"
                 )))
@@ -206,6 +250,7 @@ impl Spec {
             from_kv_heads: num_kv_heads,
             to_kv_heads: to,
             method,
+            latent,
         })
     }
 }
@@ -214,8 +259,14 @@ impl Plan {
     /// The config of the converted model: the same with `to_kv_heads` K/V heads.
     pub fn config(&self, cfg: &ModelConfig) -> ModelConfig {
         let mut out = cfg.clone();
-        if let AttentionConfig::Gqa { num_kv_heads, .. } = &mut out.attention {
+        if let AttentionConfig::Gqa {
+            num_kv_heads,
+            kv_latent_rank,
+            ..
+        } = &mut out.attention
+        {
             *num_kv_heads = self.to_kv_heads;
+            *kv_latent_rank = self.latent.map(|l| l.rank);
         }
         out
     }
@@ -238,10 +289,14 @@ impl Plan {
         heads
     }
 
-    /// True when every new group reads a single original head: the conversion repeats or
-    /// keeps heads and is exact, so no method or calibration is needed.
+    /// True when the conversion loses nothing, so no method or calibration is needed: every
+    /// new group reads a single original head (heads repeated or kept), or a latent has
+    /// the full rank.
     pub fn is_exact(&self) -> bool {
-        (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1)
+        match self.latent {
+            Some(l) => l.rank == l.full,
+            None => (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1),
+        }
     }
 }
 

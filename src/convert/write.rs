@@ -4,6 +4,10 @@
 //! [`Conversion::rewrite`], the door `--attention` loads through, so what is written is
 //! what `--attention` runs. The directory is built beside DIR under a temporary name and
 //! renamed into place at the end: a failure leaves nothing half-written.
+//!
+//! A `lowrank:R` result has no standard class: it is written in our layout (config.json
+//! `kv_latent_rank`; per layer `kv_down`, `k_up`, `v_up` in place of `k_proj`, `v_proj`),
+//! which loads here only.
 
 use super::{Conversion, Report, Request};
 use crate::config::{AttentionConfig, ModelConfig};
@@ -74,11 +78,13 @@ pub fn write(
                 )))
             }
         };
-        let t = backend
-            .get_unchecked(&info.name, want, &Device::Cpu)?
-            .contiguous()?;
-        bytes += t.elem_count() * want.size_in_bytes();
-        tensors.push((info.name.clone(), t));
+        for name in written_as(conversion.plan(), &info.name) {
+            let t = backend
+                .get_unchecked(&name, want, &Device::Cpu)?
+                .contiguous()?;
+            bytes += t.elem_count() * want.size_in_bytes();
+            tensors.push((name, t));
+        }
         progress(Stage::Converting, i + 1, stored.tensors.len());
     }
     let dir = &partial.path;
@@ -105,6 +111,26 @@ pub fn write(
 }
 
 /// `out` must be free: absent, or an empty directory.
+/// The tensors a checkpoint tensor becomes in the converted one: itself, except that a
+/// low-rank conversion replaces each layer's `k_proj` and `v_proj` by `kv_down` (with the
+/// keys' bias, if any), `k_up` and `v_up`, in the dtype of the projections they replace.
+fn written_as(plan: &super::Plan, name: &str) -> Vec<String> {
+    if plan.latent.is_none() {
+        return vec![name.to_string()];
+    }
+    let Some((layer, tail)) = name.split_once(".self_attn.") else {
+        return vec![name.to_string()];
+    };
+    let new = |p: &str| format!("{layer}.self_attn.{p}");
+    match tail {
+        "k_proj.weight" => vec![new("kv_down.weight"), new("k_up.weight")],
+        "k_proj.bias" => vec![new("kv_down.bias")],
+        "v_proj.weight" => vec![new("v_up.weight")],
+        "v_proj.bias" => vec![],
+        _ => vec![name.to_string()],
+    }
+}
+
 fn check_out(out: &Path) -> Result<()> {
     let taken = match std::fs::read_dir(out) {
         Ok(mut entries) => entries.next().is_some(),
@@ -127,8 +153,16 @@ fn config_json(original: &Value, cfg: &ModelConfig, dtype: Option<DType>) -> Res
     let obj = v
         .as_object_mut()
         .ok_or_else(|| Error::Config("not a JSON object".into()))?;
-    if let AttentionConfig::Gqa { num_kv_heads, .. } = cfg.attention {
+    if let AttentionConfig::Gqa {
+        num_kv_heads,
+        kv_latent_rank,
+        ..
+    } = cfg.attention
+    {
         obj.insert("num_key_value_heads".into(), json!(num_kv_heads));
+        if let Some(r) = kv_latent_rank {
+            obj.insert("kv_latent_rank".into(), json!(r));
+        }
     }
     obj.insert("rope_theta".into(), json!(cfg.rope.theta));
     if let Some(d) = dtype {

@@ -35,6 +35,7 @@ impl GqaAttention {
             qkv_bias,
             o_bias,
             qk_norm,
+            kv_latent_rank: None,
         } = cfg.attention
         else {
             return Err(Error::Msg("GqaAttention needs a GQA config".into()));

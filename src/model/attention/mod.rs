@@ -1,11 +1,14 @@
-//! The attention layer, chosen by config: [`GqaAttention`] for MHA/MQA/GQA, [`MlaAttention`]
-//! for DeepSeek's latent attention. Both end in the one [`sdpa`].
+//! The attention layer, chosen by config: [`GqaAttention`] for MHA/MQA/GQA,
+//! [`LowRankAttention`] for GQA with low-rank K/V (a converted checkpoint's), [`MlaAttention`]
+//! for DeepSeek's latent attention. All end in the one [`sdpa`].
 
 pub mod decode;
 mod gqa;
+mod lowrank;
 mod mla;
 
 pub use gqa::GqaAttention;
+pub use lowrank::LowRankAttention;
 pub use mla::MlaAttention;
 
 use super::rope::Rotation;
@@ -17,12 +20,17 @@ use candle_nn::VarBuilder;
 #[derive(Debug, Clone)]
 pub enum Attention {
     Gqa(GqaAttention),
+    LowRank(LowRankAttention),
     Mla(MlaAttention),
 }
 
 impl Attention {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         Ok(match &cfg.attention {
+            AttentionConfig::Gqa {
+                kv_latent_rank: Some(_),
+                ..
+            } => Attention::LowRank(LowRankAttention::new(cfg, vb)?),
             AttentionConfig::Gqa { .. } => Attention::Gqa(GqaAttention::new(cfg, vb)?),
             AttentionConfig::Mla(_) => Attention::Mla(MlaAttention::new(cfg, vb)?),
         })
@@ -32,6 +40,7 @@ impl Attention {
     pub fn quantize(&mut self, q: &dyn crate::model::linear::Quantizer) -> Result<usize> {
         match self {
             Attention::Gqa(a) => a.quantize(q),
+            Attention::LowRank(a) => a.quantize(q),
             Attention::Mla(a) => a.quantize(q),
         }
     }
@@ -47,6 +56,7 @@ impl Attention {
     ) -> Result<Tensor> {
         match self {
             Attention::Gqa(a) => a.forward(x, rope, spans, caches),
+            Attention::LowRank(a) => a.forward(x, rope, spans, caches),
             Attention::Mla(a) => a.forward(x, rope, spans, caches),
         }
     }
