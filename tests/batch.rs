@@ -77,17 +77,23 @@ fn batched_greedy_ids_equal_each_sequence_alone() {
     for name in FIXTURES {
         check(name, &load_dir(&fixture_dir(name), DType::F32));
     }
-    // Low-rank K/V (a converted checkpoint's): latents cached, keys rebuilt per sequence.
+    // Converted checkpoints: low-rank K/V (latents cached, keys rebuilt per sequence), and
+    // MLA from GQA (two RoPE groups, no latent norm, absorbed decode per sequence).
     let source = tiny_decoder::loader::open("tiny-gqa").unwrap();
-    let req = tiny_decoder::convert::Request {
-        spec: "lowrank:48,method=svd".parse().unwrap(),
-        calibration: None,
-    };
-    let f32 = tiny_decoder::loader::DTypeArg::Fixed(DType::F32);
-    let (low, _) =
-        tiny_decoder::convert::load(&source, f32, &Device::Cpu, &req, |_, _| {}).unwrap();
-    assert_eq!(low.model.config().attention_kind(), "lowrank");
-    check("tiny-gqa lowrank:48", &low);
+    for (spec, kind) in [
+        ("lowrank:48,method=svd", "lowrank"),
+        ("mla:48,rope=64,method=svd", "mla"),
+    ] {
+        let req = tiny_decoder::convert::Request {
+            spec: spec.parse().unwrap(),
+            calibration: None,
+        };
+        let f32 = tiny_decoder::loader::DTypeArg::Fixed(DType::F32);
+        let (conv, _) =
+            tiny_decoder::convert::load(&source, f32, &Device::Cpu, &req, |_, _| {}).unwrap();
+        assert_eq!(conv.model.config().attention_kind(), kind);
+        check(&format!("tiny-gqa {spec}"), &conv);
+    }
 }
 
 /// One step with a prompt chunk of 6 tokens beside two sequences decoding one token each:

@@ -196,6 +196,12 @@ fn convert_refuses_bad_input_in_one_line_and_leaves_nothing() {
     );
     convert(gguf.to_str().unwrap(), "mha", &out("new"), "not GGUF files");
     convert("tiny-gqa", "gqa:3", &out("new"), "gqa:3");
+    convert(
+        "tiny-gqa",
+        "mla:64,rope=64",
+        &out("new"),
+        "MLA results are not written yet",
+    );
     let args = [
         "convert",
         "-m",

@@ -41,6 +41,14 @@ pub struct MlaConfig {
     pub softmax_scale: f64,
     /// Bias on q_a_proj, kv_a_proj_with_mqa and o_proj (`attention_bias`).
     pub bias: bool,
+    /// Ours, for MLA converted from a GQA checkpoint (`--attention mla:R,rope=W`; DeepSeek:
+    /// 1 and true). The RoPE key and each query's RoPE part are `rope_groups` heads of
+    /// `qk_rope_head_dim / rope_groups` dims, each rotated as one head at the model's
+    /// frequencies (a query reads the group its original K/V head merged into), and
+    /// `latent_norm: false` drops `kv_a_layernorm`, which no linear map of GQA's keys and
+    /// values can reproduce.
+    pub rope_groups: usize,
+    pub latent_norm: bool,
 }
 
 /// How the router turns scores into expert choices.
@@ -96,6 +104,8 @@ pub(super) fn resolve(
         v_head_dim: need("v_head_dim", d.v_head_dim)?,
         softmax_scale: 0.0,
         bias: hf.attention_bias,
+        rope_groups: 1,
+        latent_norm: true,
     };
     if !mla.qk_rope_head_dim.is_multiple_of(2) {
         return Err(Error::Config(format!(

@@ -90,6 +90,33 @@ pub fn convert(
     w: &Projections,
     moment: Option<&Tensor>,
 ) -> Result<Projections> {
+    let t = maps(plan, heads, w, moment)?;
+    Ok(Projections {
+        q: match &t.q {
+            Some(t_q) => t_q.matmul(&w.q)?,
+            None => w.q.clone(),
+        },
+        k: t.k.matmul(&w.k)?,
+        v: t.v.matmul(&w.v)?,
+        o: match &t.o {
+            Some(t_o) => w.o.matmul(t_o)?,
+            None => w.o.clone(),
+        },
+    })
+}
+
+/// The maps of [`convert`]: W_q' = T_q·W_q, W_k' = T_k·W_k, W_v' = T_v·W_v, W_o' = W_o·T_o,
+/// with T_q and T_o `None` where they are the identity (every conversion but `aware`'s
+/// merges). Each query head's block of T_q is a complex scalar per RoPE pair.
+pub struct Maps {
+    pub q: Option<Tensor>,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub o: Option<Tensor>,
+}
+
+/// Builds the [`Maps`] of one layer (see [`convert`]).
+pub fn maps(plan: &Plan, heads: Heads, w: &Projections, moment: Option<&Tensor>) -> Result<Maps> {
     let (h, g_from, g_to, d) = (
         plan.num_heads,
         plan.from_kv_heads,
@@ -124,18 +151,12 @@ pub fn convert(
             }
         }
     }
-    let untouched = fit.is_none();
-    Ok(Projections {
-        q: match untouched {
-            true => w.q.clone(),
-            false => t_q.tensor()?.matmul(&w.q)?,
-        },
-        k: t_k.tensor()?.matmul(&w.k)?,
-        v: t_v.tensor()?.matmul(&w.v)?,
-        o: match untouched {
-            true => w.o.clone(),
-            false => w.o.matmul(&t_o.tensor()?)?,
-        },
+    let merged = fit.is_some();
+    Ok(Maps {
+        q: merged.then(|| t_q.tensor()).transpose()?,
+        k: t_k.tensor()?,
+        v: t_v.tensor()?,
+        o: merged.then(|| t_o.tensor()).transpose()?,
     })
 }
 

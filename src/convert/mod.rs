@@ -12,6 +12,7 @@ pub mod calibrate;
 pub mod gqa;
 pub mod linalg;
 pub mod lowrank;
+pub mod mla;
 pub mod spec;
 mod write;
 
@@ -200,6 +201,14 @@ fn rewrite(
             }
             Ok(())
         };
+        if plan.latent.is_some_and(|l| l.rope.is_some()) {
+            let out = mla::convert(plan, heads, &w, moment)?;
+            let weight = |t: &Tensor| t.narrow(1, 0, c)?.to_dtype(DType::F32);
+            replaced.insert(name("q_proj", "weight"), weight(&out.q)?);
+            replaced.insert(name("kv_a_proj_with_mqa", "weight"), weight(&out.kv_a)?);
+            replaced.insert(name("kv_b_proj", "weight"), out.kv_b.to_dtype(DType::F32)?);
+            continue;
+        }
         if plan.latent.is_some() {
             let out = lowrank::convert(plan, heads, &w, moment)?;
             put("kv_down", &out.down)?;

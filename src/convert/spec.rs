@@ -2,7 +2,7 @@
 //! `lowrank:R`, each with `,method=...`), and the [`Plan`] it becomes for one checkpoint,
 //! with a one-line error that says what would work when it cannot apply.
 
-use crate::config::{AttentionConfig, ModelConfig};
+use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::error::{Error, Result};
 use std::fmt;
 
@@ -15,7 +15,7 @@ pub enum Layout {
     Mqa,
     /// G K/V heads.
     Gqa(usize),
-    /// Cacheable MLA: a rank-R latent and a RoPE key W wide (parsed, not built yet).
+    /// Cacheable MLA: a rank-R latent and a RoPE key W wide (see `convert::mla`).
     Mla { rank: usize, rope: usize },
     /// A rank-R latent of the pre-RoPE keys and values, keys rebuilt and rotated when
     /// attending (see `convert::lowrank`).
@@ -55,11 +55,14 @@ pub struct Plan {
     pub latent: Option<Latent>,
 }
 
-/// The rank of a `lowrank:R` conversion and the full rank it cuts.
+/// The rank of a `lowrank:R` or `mla:R,rope=W` conversion and the full rank it cuts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Latent {
     pub rank: usize,
     pub full: usize,
+    /// MLA's RoPE key width W: `to_kv_heads` = W / head_dim heads of it, merged from the
+    /// original K/V heads as `gqa:W/D` merges them. `None` for `lowrank`.
+    pub rope: Option<usize>,
 }
 
 impl Method {
@@ -160,7 +163,8 @@ impl Spec {
             head_dim,
             qk_norm,
             kv_latent_rank,
-            ..
+            qkv_bias,
+            o_bias,
         } = cfg.attention
         else {
             return Err(bad(format!(
@@ -177,14 +181,32 @@ impl Spec {
         let h = cfg.num_attention_heads;
         let full = 2 * num_kv_heads * head_dim;
         let latent = match self.layout {
-            Layout::LowRank { rank } if rank > full => {
+            Layout::LowRank { rank } | Layout::Mla { rank, .. } if rank > full => {
                 return Err(bad(format!(
                     "{self}: rank {rank} is above the full rank of this model's keys and \
                      values (2 × {num_kv_heads} K/V heads × head_dim {head_dim} = {full}); \
-                     use lowrank:R with R at most {full}"
+                     use a rank of at most {full}"
                 )))
             }
-            Layout::LowRank { rank } => Some(Latent { rank, full }),
+            Layout::LowRank { rank } => Some(Latent {
+                rank,
+                full,
+                rope: None,
+            }),
+            Layout::Mla { rank, rope } => {
+                mla_fits(self, cfg, num_kv_heads, head_dim, rope)?;
+                if qkv_bias || o_bias || qk_norm {
+                    return Err(bad(format!(
+                        "{self}: MLA from a checkpoint with attention biases or q/k norms \
+                         (qwen2, qwen3) is not supported; use lowrank:R"
+                    )));
+                }
+                Some(Latent {
+                    rank,
+                    full,
+                    rope: Some(rope),
+                })
+            }
             _ => None,
         };
         let to = match self.layout {
@@ -207,12 +229,7 @@ impl Spec {
             }
             Layout::Gqa(g) => g,
             Layout::LowRank { .. } => num_kv_heads,
-            Layout::Mla { .. } => {
-                return Err(bad(format!(
-                    "{self}: MLA conversions are not implemented yet; use mha, mqa, gqa:G \
-                     or lowrank:R"
-                )))
-            }
+            Layout::Mla { rope, .. } => rope / head_dim,
         };
         let lossy = to < num_kv_heads || latent.is_some_and(|l| l.rank < l.full);
         // What stands in for `aware` where it cannot apply.
@@ -255,10 +272,55 @@ impl Spec {
     }
 }
 
+/// Whether `mla:R,rope=W` can be built on this model: RoPE over whole heads, W a whole
+/// number k of heads, k dividing the query heads, and each original K/V head either merged
+/// into one RoPE head or copied (k dividing G, or G dividing k).
+fn mla_fits(spec: &Spec, cfg: &ModelConfig, g: usize, d: usize, w: usize) -> Result<()> {
+    let h = cfg.num_attention_heads;
+    if cfg.rope.dim != d {
+        return Err(bad(format!(
+            "{spec}: MLA needs RoPE over the whole head (rotary dim {} of head_dim {d}); \
+             use lowrank:R",
+            cfg.rope.dim
+        )));
+    }
+    let k = w / d;
+    let fits =
+        w.is_multiple_of(d) && h.is_multiple_of(k) && (g.is_multiple_of(k) || k.is_multiple_of(g));
+    if !fits || k == 0 {
+        let ok: Vec<String> = (1..=h)
+            .filter(|&k| h.is_multiple_of(k) && (g.is_multiple_of(k) || k.is_multiple_of(g)))
+            .map(|k| (k * d).to_string())
+            .collect();
+        return Err(bad(format!(
+            "{spec}: the RoPE key must be whole heads of {d} dims whose number divides the \
+             {h} query heads and divides or is a multiple of the {g} K/V heads: rope={}",
+            ok.join(", rope=")
+        )));
+    }
+    Ok(())
+}
+
 impl Plan {
-    /// The config of the converted model: the same with `to_kv_heads` K/V heads.
+    /// The config of the converted model: the same with `to_kv_heads` K/V heads, a latent
+    /// of K/V, or MLA (see `convert::mla`).
     pub fn config(&self, cfg: &ModelConfig) -> ModelConfig {
         let mut out = cfg.clone();
+        if let (Some(l), Some(rope)) = (self.latent, self.latent.and_then(|l| l.rope)) {
+            let d = l.full / (2 * self.from_kv_heads);
+            out.attention = AttentionConfig::Mla(MlaConfig {
+                q_lora_rank: 0,
+                kv_lora_rank: l.rank,
+                qk_nope_head_dim: d,
+                qk_rope_head_dim: rope,
+                v_head_dim: d,
+                softmax_scale: 1.0 / (d as f64).sqrt(),
+                bias: false,
+                rope_groups: self.to_kv_heads,
+                latent_norm: false,
+            });
+            return out;
+        }
         if let AttentionConfig::Gqa {
             num_kv_heads,
             kv_latent_rank,
@@ -293,10 +355,8 @@ impl Plan {
     /// new group reads a single original head (heads repeated or kept), or a latent has
     /// the full rank.
     pub fn is_exact(&self) -> bool {
-        match self.latent {
-            Some(l) => l.rank == l.full,
-            None => (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1),
-        }
+        let heads_kept = (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1);
+        heads_kept && self.latent.is_none_or(|l| l.rank == l.full)
     }
 }
 

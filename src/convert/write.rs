@@ -59,6 +59,14 @@ pub fn write(
     out: &Path,
     mut progress: impl FnMut(Stage, usize, usize),
 ) -> Result<Written> {
+    if let super::Layout::Mla { .. } = req.spec.layout {
+        return Err(Error::Invalid(format!(
+            "convert --attention {}: MLA results are not written yet; run it at load \
+             (--attention on generate, chat, eval, bench), or convert to mha, mqa, gqa:G or \
+             lowrank:R",
+            req.spec
+        )));
+    }
     check_out(out)?;
     // Before anything slow: a GGUF file or a broken checkpoint is refused here.
     let stored = source.stored()?;

@@ -48,7 +48,8 @@ pub enum MlaForm {
 pub struct MlaAttention {
     query: QueryProj,
     kv_a_proj_with_mqa: Linear,
-    kv_a_layernorm: RmsNorm,
+    /// `None` when the config says `latent_norm: false` (a converted GQA checkpoint's).
+    kv_a_layernorm: Option<RmsNorm>,
     /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous. Not a
     /// strided view of kv_b_proj: candle's bf16 matmul took twice as long on one.
     w_uk: Tensor,
@@ -93,7 +94,10 @@ impl MlaAttention {
                 m.bias,
                 vb.pp("kv_a_proj_with_mqa"),
             )?,
-            kv_a_layernorm: rms_norm(r, eps, vb.pp("kv_a_layernorm"))?,
+            kv_a_layernorm: match m.latent_norm {
+                true => Some(rms_norm(r, eps, vb.pp("kv_a_layernorm"))?),
+                false => None,
+            },
             w_uk,
             w_uv,
             o_proj: linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?,
@@ -145,14 +149,16 @@ impl MlaAttention {
         let q = q.reshape((b, n, h, nope + rope_dim))?.transpose(1, 2)?;
         let q_nope = q.narrow(D::Minus1, 0, nope)?;
         // (1, H, N, rope)
-        let q_pe = rope.apply(&q.narrow(D::Minus1, nope, rope_dim)?)?;
+        let q_pe = self.rotate(rope, &q.narrow(D::Minus1, nope, rope_dim)?)?;
         // 2. Latent and shared RoPE key: (1, 1, N, r) and (1, 1, N, rope)
         let kv = self.kv_a_proj_with_mqa.forward(x)?;
-        let c_kv = self
-            .kv_a_layernorm
-            .forward(&kv.narrow(D::Minus1, 0, r)?)?
-            .unsqueeze(1)?;
-        let k_pe = rope.apply(&kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?)?;
+        let c_kv = kv.narrow(D::Minus1, 0, r)?;
+        let c_kv = match &self.kv_a_layernorm {
+            Some(norm) => norm.forward(&c_kv)?,
+            None => c_kv,
+        };
+        let c_kv = c_kv.unsqueeze(1)?;
+        let k_pe = self.rotate(rope, &kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?)?;
         // 3-4. Per sequence: cache, then attend: (1, H, len, v_head_dim)
         let ys = spans
             .iter()
@@ -170,6 +176,20 @@ impl MlaAttention {
             .collect::<Result<Vec<_>>>()?;
         // 5. Heads merged, output projection over every token
         self.o_proj.forward(&join(ys)?)
+    }
+
+    /// RoPE on x (B, H, N, qk_rope_head_dim): as one head, or as `rope_groups` heads each.
+    fn rotate(&self, rope: &Rotation, x: &Tensor) -> Result<Tensor> {
+        let k = self.cfg.rope_groups;
+        if k == 1 {
+            return rope.apply(x);
+        }
+        let (b, h, n, w) = x.dims4()?;
+        let x = x.reshape((b, h, n, k, w / k))?.transpose(2, 3)?; // (B, H, k, N, w/k)
+        let x = rope.apply(&x.reshape((b, h * k, n, w / k))?)?;
+        x.reshape((b, h, k, n, w / k))?
+            .transpose(2, 3)?
+            .reshape((b, h, n, w))
     }
 
     /// One sequence's attention in the given form: writes its latent and RoPE key into
