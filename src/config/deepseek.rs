@@ -14,6 +14,9 @@ pub struct HfDeepseek {
     pub qk_rope_head_dim: Option<i64>,
     pub v_head_dim: Option<i64>,
     pub rope_interleave: Option<bool>,
+    /// Ours, in MLA converted from GQA (see [`MlaConfig::rope_groups`]); absent: 1 and true.
+    pub rope_groups: Option<i64>,
+    pub kv_latent_norm: Option<bool>,
     pub n_routed_experts: Option<i64>,
     pub n_shared_experts: Option<i64>,
     pub num_experts_per_tok: Option<i64>,
@@ -83,15 +86,12 @@ fn need(field: &str, value: Option<i64>) -> Result<usize> {
     }
 }
 
-/// Resolves the MLA attention, its RoPE and the per-layer MLPs of a DeepSeek config.
-pub(super) fn resolve(
+/// The MLA attention of a config (DeepSeek's, or ours in a converted Llama-family
+/// checkpoint) and its RoPE, pairs interleaved unless the config says otherwise.
+pub(super) fn attention(
     hf: &super::HfConfig,
-    family: super::Family,
-) -> Result<(
-    super::AttentionConfig,
-    super::RopeConfig,
-    Vec<super::MlpConfig>,
-)> {
+    interleave: bool,
+) -> Result<(super::AttentionConfig, super::RopeConfig)> {
     let d = &hf.deepseek;
     let mla = MlaConfig {
         q_lora_rank: match d.q_lora_rank {
@@ -104,18 +104,20 @@ pub(super) fn resolve(
         v_head_dim: need("v_head_dim", d.v_head_dim)?,
         softmax_scale: 0.0,
         bias: hf.attention_bias,
-        rope_groups: 1,
-        latent_norm: true,
+        rope_groups: match d.rope_groups {
+            Some(k) => super::positive("rope_groups", k)?,
+            None => 1,
+        },
+        latent_norm: d.kv_latent_norm.unwrap_or(true),
     };
-    if !mla.qk_rope_head_dim.is_multiple_of(2) {
+    let groups = mla.rope_groups;
+    if !mla.qk_rope_head_dim.is_multiple_of(2 * groups) {
         return Err(Error::Config(format!(
-            "qk_rope_head_dim ({}) must be even for RoPE",
+            "qk_rope_head_dim ({}) must be {groups} (rope_groups) even-sized heads for RoPE",
             mla.qk_rope_head_dim
         )));
     }
-    // V3 configs default to interleaved pairing; V2's modelling code always interleaves.
-    let interleave = d.rope_interleave.unwrap_or(true);
-    let rope = super::rope::resolve(hf, mla.qk_rope_head_dim, interleave)?;
+    let rope = super::rope::resolve(hf, mla.qk_rope_head_dim / mla.rope_groups, interleave)?;
     let mut scale = 1.0 / ((mla.qk_nope_head_dim + mla.qk_rope_head_dim) as f64).sqrt();
     if let super::RopeScaling::Yarn(y) = &rope.scaling {
         if y.mscale_all_dim != 0.0 {
@@ -127,7 +129,21 @@ pub(super) fn resolve(
         softmax_scale: scale,
         ..mla
     };
+    Ok((super::AttentionConfig::Mla(mla), rope))
+}
 
+/// Resolves the MLA attention, its RoPE and the per-layer MLPs of a DeepSeek config.
+pub(super) fn resolve(
+    hf: &super::HfConfig,
+    family: super::Family,
+) -> Result<(
+    super::AttentionConfig,
+    super::RopeConfig,
+    Vec<super::MlpConfig>,
+)> {
+    let d = &hf.deepseek;
+    // V3 configs default to interleaved pairing; V2's modelling code always interleaves.
+    let (mla, rope) = attention(hf, d.rope_interleave.unwrap_or(true))?;
     let layers = super::num_layers(hf)?;
     let dense = super::MlpConfig::Dense {
         intermediate_size: super::positive("intermediate_size", hf.intermediate_size)?,
@@ -151,7 +167,7 @@ pub(super) fn resolve(
         }
         _ => vec![dense; layers],
     };
-    Ok((super::AttentionConfig::Mla(mla), rope, mlp))
+    Ok((mla, rope, mlp))
 }
 
 fn moe(d: &HfDeepseek, family: super::Family) -> Result<MoeConfig> {

@@ -9,6 +9,17 @@ pub(super) fn resolve(
     hf: &HfConfig,
     family: Family,
 ) -> Result<(AttentionConfig, RopeConfig, Vec<MlpConfig>)> {
+    let mlp = MlpConfig::Dense {
+        intermediate_size: positive("intermediate_size", hf.intermediate_size)?,
+        bias: hf.mlp_bias,
+    };
+    let layers = super::num_layers(hf)?;
+    // MLA converted from GQA (`convert --attention mla:R,rope=W`), in DeepSeek's fields.
+    if hf.deepseek.kv_lora_rank.is_some() {
+        let interleave = hf.deepseek.rope_interleave.unwrap_or(false);
+        let (attention, rope) = super::deepseek::attention(hf, interleave)?;
+        return Ok((attention, rope, vec![mlp; layers]));
+    }
     let heads = positive("num_attention_heads", hf.num_attention_heads)?;
     let num_kv_heads = match hf.num_key_value_heads {
         Some(n) => positive("num_key_value_heads", n)?,
@@ -63,11 +74,6 @@ pub(super) fn resolve(
         kv_latent_rank,
     };
     let rope = super::rope::resolve(hf, head_dim, false)?;
-    let mlp = MlpConfig::Dense {
-        intermediate_size: positive("intermediate_size", hf.intermediate_size)?,
-        bias: hf.mlp_bias,
-    };
-    let layers = super::num_layers(hf)?;
     Ok((attention, rope, vec![mlp; layers]))
 }
 

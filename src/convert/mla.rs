@@ -20,7 +20,8 @@ use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// One layer's MLA projections, each with its bias column (zero: biases are refused):
-/// `q_proj` (H·(D + W), C + 1), `kv_a_proj_with_mqa` (R + W, C + 1), `kv_b_proj` (H·2D, R).
+/// `q_proj` (H·(D + W), C + 1, scaled by √((D + W)/D) so that MLA's 1/√(D + W) scores as the
+/// original's 1/√D), `kv_a_proj_with_mqa` (R + W, C + 1), `kv_b_proj` (H·2D, R).
 pub struct Mla {
     pub q: Tensor,
     pub kv_a: Tensor,
@@ -83,8 +84,11 @@ pub fn convert(plan: &Plan, heads: Heads, w: &Projections, moment: Option<&Tenso
         b_rows.push(low.k_up.narrow(0, s * d, d)?);
         b_rows.push(low.v_up.narrow(0, s * d, d)?);
     }
+    // The scores' scale: the original's 1/√D where MLA's is 1/√(D + W).
+    let w_rope = plan.latent.and_then(|l| l.rope).unwrap_or(d);
+    let scale = ((d + w_rope) as f64 / d as f64).sqrt();
     Ok(Mla {
-        q: Tensor::cat(&q_rows, 0)?,
+        q: (Tensor::cat(&q_rows, 0)? * scale)?,
         kv_a: Tensor::cat(&[&low.down, &k_rope], 0)?,
         kv_b: Tensor::cat(&b_rows, 0)?,
     })

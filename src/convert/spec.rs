@@ -314,7 +314,9 @@ impl Plan {
                 qk_nope_head_dim: d,
                 qk_rope_head_dim: rope,
                 v_head_dim: d,
-                softmax_scale: 1.0 / (d as f64).sqrt(),
+                // DeepSeek's scale, so that the config reads back as written; the
+                // original's 1/√D is folded into the query (`convert::mla`).
+                softmax_scale: 1.0 / ((d + rope) as f64).sqrt(),
                 bias: false,
                 rope_groups: self.to_kv_heads,
                 latent_norm: false,

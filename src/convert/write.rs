@@ -5,9 +5,12 @@
 //! what `--attention` runs. The directory is built beside DIR under a temporary name and
 //! renamed into place at the end: a failure leaves nothing half-written.
 //!
-//! A `lowrank:R` result has no standard class: it is written in our layout (config.json
-//! `kv_latent_rank`; per layer `kv_down`, `k_up`, `v_up` in place of `k_proj`, `v_proj`),
-//! which loads here only.
+//! `lowrank:R` and `mla:R,rope=W` results have no standard class and are written in our
+//! layout, which loads here only: low-rank K/V as config.json `kv_latent_rank` and per layer
+//! `kv_down`, `k_up`, `v_up` in place of `k_proj`, `v_proj`; MLA as DeepSeek's fields and
+//! tensors (`kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`;
+//! `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`) in a Llama config, with two of ours:
+//! `rope_groups` and `kv_latent_norm: false` (see `MlaConfig`).
 
 use super::{Conversion, Report, Request};
 use crate::config::{AttentionConfig, ModelConfig};
@@ -59,14 +62,6 @@ pub fn write(
     out: &Path,
     mut progress: impl FnMut(Stage, usize, usize),
 ) -> Result<Written> {
-    if let super::Layout::Mla { .. } = req.spec.layout {
-        return Err(Error::Invalid(format!(
-            "convert --attention {}: MLA results are not written yet; run it at load \
-             (--attention on generate, chat, eval, bench), or convert to mha, mqa, gqa:G or \
-             lowrank:R",
-            req.spec
-        )));
-    }
     check_out(out)?;
     // Before anything slow: a GGUF file or a broken checkpoint is refused here.
     let stored = source.stored()?;
@@ -121,15 +116,23 @@ pub fn write(
 /// `out` must be free: absent, or an empty directory.
 /// The tensors a checkpoint tensor becomes in the converted one: itself, except that a
 /// low-rank conversion replaces each layer's `k_proj` and `v_proj` by `kv_down` (with the
-/// keys' bias, if any), `k_up` and `v_up`, in the dtype of the projections they replace.
+/// keys' bias, if any), `k_up` and `v_up`, and MLA by `kv_a_proj_with_mqa` and `kv_b_proj`,
+/// in the dtype of the projections they replace.
 fn written_as(plan: &super::Plan, name: &str) -> Vec<String> {
-    if plan.latent.is_none() {
+    let Some(latent) = plan.latent else {
         return vec![name.to_string()];
-    }
+    };
     let Some((layer, tail)) = name.split_once(".self_attn.") else {
         return vec![name.to_string()];
     };
     let new = |p: &str| format!("{layer}.self_attn.{p}");
+    if latent.rope.is_some() {
+        return match tail {
+            "k_proj.weight" => vec![new("kv_a_proj_with_mqa.weight"), new("kv_b_proj.weight")],
+            "v_proj.weight" => vec![],
+            _ => vec![name.to_string()],
+        };
+    }
     match tail {
         "k_proj.weight" => vec![new("kv_down.weight"), new("k_up.weight")],
         "k_proj.bias" => vec![new("kv_down.bias")],
@@ -170,6 +173,21 @@ fn config_json(original: &Value, cfg: &ModelConfig, dtype: Option<DType>) -> Res
         obj.insert("num_key_value_heads".into(), json!(num_kv_heads));
         if let Some(r) = kv_latent_rank {
             obj.insert("kv_latent_rank".into(), json!(r));
+        }
+    }
+    if let AttentionConfig::Mla(m) = &cfg.attention {
+        let fields = [
+            ("q_lora_rank", Value::Null),
+            ("kv_lora_rank", json!(m.kv_lora_rank)),
+            ("qk_nope_head_dim", json!(m.qk_nope_head_dim)),
+            ("qk_rope_head_dim", json!(m.qk_rope_head_dim)),
+            ("v_head_dim", json!(m.v_head_dim)),
+            ("rope_interleave", json!(cfg.rope.interleaved)),
+            ("rope_groups", json!(m.rope_groups)),
+            ("kv_latent_norm", json!(m.latent_norm)),
+        ];
+        for (k, v) in fields {
+            obj.insert(k.into(), v);
         }
     }
     obj.insert("rope_theta".into(), json!(cfg.rope.theta));
