@@ -1,0 +1,140 @@
+"""The README's attention conversion trade-off table, for real checkpoints.
+
+For each model and each `--attention` spec (plus the original, unconverted): the method the
+conversion used, KV bytes per token (default dtype, the checkpoint's: f32 for both) and its
+ratio to the original's, perplexity on a held-out text and ΔNLL in nats against the original
+(`eval`, which also reports the KV bytes and the conversion's seconds: one run each, they
+are deterministic), and decode tok/s at a long context (`bench`, medians of `--rounds`
+rounds that alternate over the specs, so machine noise hits every spec alike). Every
+conversion calibrates on the program's default text, data/calibration.txt.
+
+- smollm2: SmolLM2-135M-Instruct, held out tests/data/passage.txt, bench 2000 + 32 tokens.
+- stories260k: stories260K (context 512), held out tests/data/stories-heldout.txt (children's
+  prose written for this repo in the TinyStories style, not from its training data),
+  bench 480 + 31 tokens.
+
+A spec the binary refuses (non-zero exit) is listed as "not available" with its error, so
+the script can be re-run with a newer binary. Standard library only; from the repo root:
+
+    python3 scripts/attention_tradeoffs.py [--bin target/release/tiny-decoder] [--rounds 3]
+        [--models smollm2,stories260k] [--specs 'mqa;lowrank:128,method=svd']
+        [--dir smollm2=PATH] [--json-out FILE]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+MODELS = {
+    "smollm2": {
+        "dir": "target/models/smollm2-135m-instruct",
+        "heldout": "tests/data/passage.txt",
+        "bench": (2000, 32),
+        "specs": ["original", "mha", "mqa,method=mean", "mqa", "lowrank:384", "lowrank:256",
+                  "lowrank:128", "lowrank:128,method=svd", "lowrank:64", "mla:64,rope=64",
+                  "mla:192,rope=64", "mla:192,rope=192"],
+    },
+    "stories260k": {
+        "dir": "../shared/checkpoints/stories260K",
+        "heldout": "tests/data/stories-heldout.txt",
+        "bench": (480, 31),
+        "specs": ["original", "mha", "gqa:2,method=mean", "gqa:2", "mqa,method=mean", "mqa",
+                  "lowrank:64", "lowrank:32", "lowrank:16", "lowrank:16,method=svd",
+                  "mla:16,rope=8"],
+    },
+}
+
+
+def run(binary, command, model_dir, spec, *args):
+    """One command's JSON, or (None, its error line) when the binary refuses it."""
+    attention = [] if spec == "original" else ["--attention", spec]
+    out = subprocess.run([binary, command, "--model", model_dir, *attention, *args, "--json"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+        return None, lines[-1].removeprefix("error: ").replace("|", "\\|")
+    return json.loads(out.stdout), None
+
+
+def measure(binary, model, model_dir, specs, rounds):
+    """Every spec's eval, then `rounds` alternating benches; one dict per spec."""
+    rows = {}
+    for spec in specs:
+        ev, err = run(binary, "eval", model_dir, spec, "--file", model["heldout"])
+        rows[spec] = {"spec": spec, "error": err, "eval": ev, "decode_tokens_per_s": []}
+    prompt, new = model["bench"]
+    for _ in range(rounds):
+        for spec in specs:
+            if rows[spec]["error"] is None:
+                r, err = run(binary, "bench", model_dir, spec,
+                             "--prompt-tokens", str(prompt), "--new-tokens", str(new))
+                if err is not None:
+                    rows[spec]["error"] = err
+                else:
+                    rows[spec]["decode_tokens_per_s"].append(r["decode_tokens_per_s"])
+    return rows
+
+
+def table(name, model, rows):
+    """The Markdown table of one model: ratios against its "original" row."""
+    prompt, new = model["bench"]
+    base = rows["original"]
+    base_kv = base["eval"]["kv_bytes_per_token"]
+    base_nll = base["eval"]["mean_nll"]
+    base_speed = statistics.median(base["decode_tokens_per_s"])
+    dtype = base["eval"]["dtype"]
+    lines = [f"| model | spec | method | KV bytes per token ({dtype}) | KV vs original | "
+             f"perplexity | ΔNLL (nats) | decode tok/s at {prompt + new} positions (vs original) "
+             f"| conversion (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for spec, r in rows.items():
+        if r["error"] is not None:
+            lines.append(f"| {name} | {spec} | not available: {r['error']} |||||||")
+            continue
+        ev = r["eval"]
+        speed = statistics.median(r["decode_tokens_per_s"])
+        method = ev.get("conversion_method", "—")
+        secs = f"{ev['conversion_secs']:.2f}" if "conversion_secs" in ev else "—"
+        lines.append(f"| {name} | {spec} | {method} | {ev['kv_bytes_per_token']:,} | "
+                     f"{ev['kv_bytes_per_token'] / base_kv:.3f} | {ev['perplexity']:.2f} | "
+                     f"{ev['mean_nll'] - base_nll:+.4f} | {speed:.1f} ({speed / base_speed:.2f}×) "
+                     f"| {secs} |")
+    return "\n".join(lines)
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/release/tiny-decoder")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--models", default="smollm2,stories260k")
+    ap.add_argument("--specs", help="';'-separated specs for every model, instead of its list")
+    ap.add_argument("--dir", action="append", default=[], metavar="MODEL=PATH",
+                    help="where a model's checkpoint is, instead of the default")
+    ap.add_argument("--json-out", help="also write every measurement here")
+    a = ap.parse_args()
+    dirs = dict(d.split("=", 1) for d in a.dir)
+    start, load_start = time.time(), loadavg()
+    results = {}
+    for name in a.models.split(","):
+        model = MODELS[name]
+        specs = a.specs.split(";") if a.specs else model["specs"]
+        specs = ["original"] + [s for s in specs if s != "original"]
+        rows = measure(a.bin, model, dirs.get(name, model["dir"]), specs, a.rounds)
+        results[name] = rows
+        print(table(name, model, rows) + "\n", flush=True)
+    print(f"load average (1, 5, 15 min): {load_start} at start, {loadavg()} at end; "
+          f"{a.rounds} rounds, {time.time() - start:.0f} s in all")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
