@@ -4,9 +4,11 @@
 //! it and rotates the keys at their positions (Palu's layout). Keeping RoPE on every key
 //! dimension is what keeps the conversion close to the original, and what rules out MLA's
 //! absorbed decode: the work of a step grows with the context (R × 2·G·D multiply-adds per
-//! cached position and layer), which `bench` at a long context measures.
+//! cached position and layer), which `bench` at a long context measures. The values need no
+//! rebuilding for one new token: it attends over the latents themselves and each head
+//! up-projects its result (MLA's absorbed output, `o = (p·C)·U_vᵀ`), which halves that work.
 
-use super::{join, sdpa, Span};
+use super::{decode, join, sdpa, Span};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::{linear_b, Linear, Quantizer};
@@ -24,6 +26,9 @@ pub struct LowRankAttention {
     /// R → G·D each: the pre-RoPE keys and the values, rebuilt from the latent.
     k_up: Linear,
     v_up: Linear,
+    /// v_up's weight per K/V head, (G, R, D) in the activations' dtype: the absorbed output
+    /// of a decode step.
+    w_uv: Tensor,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -57,11 +62,20 @@ impl LowRankAttention {
             false => Ok(None),
         };
         let act = activation_dtype(vb.dtype(), vb.device());
+        let v_up = linear_b(rank, kv, false, vb.pp("v_up"))?;
+        let w_uv = v_up
+            .weight()
+            .ok_or_else(|| Error::Msg("v_up is quantized".into()))?
+            .reshape((num_kv_heads, head_dim, rank))?
+            .transpose(1, 2)?
+            .to_dtype(act)?
+            .contiguous()?;
         Ok(Self {
             q_proj: linear_b(hidden, h * head_dim, qkv_bias, vb.pp("q_proj"))?,
             kv_down: linear_b(hidden, rank, qkv_bias, vb.pp("kv_down"))?,
             k_up: linear_b(rank, kv, false, vb.pp("k_up"))?,
-            v_up: linear_b(rank, kv, false, vb.pp("v_up"))?,
+            v_up,
+            w_uv,
             o_proj: linear_b(h * head_dim, hidden, o_bias, vb.pp("o_proj"))?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -121,18 +135,22 @@ impl LowRankAttention {
                     .rope
                     .at_positions(&positions)?
                     .apply(&k.transpose(1, 2)?)?;
+                let (q, scale) = (rows(&q)?, 1.0 / (d as f64).sqrt());
+                if span.len == 1 && span.mask.is_none() && decode::takes(&q) {
+                    // One token: attend over the latents as every group's values (a view,
+                    // no copy), then up-project each head's (1, R) result.
+                    let r = c.dim(2)?;
+                    let v = c.unsqueeze(1)?.broadcast_as((b, g, s, r))?;
+                    let y = sdpa(&q, &k, &v, scale, None)?; // (1, H, 1, R)
+                    let y = y.reshape((g, h / g, r))?.matmul(&self.w_uv)?; // (G, H/G, D)
+                    return y.reshape((b, 1, h * d));
+                }
                 let v = self
                     .v_up
                     .forward(&c)?
                     .reshape((b, s, g, d))?
                     .transpose(1, 2)?;
-                let y = sdpa(
-                    &rows(&q)?,
-                    &k,
-                    &v.contiguous()?,
-                    1.0 / (d as f64).sqrt(),
-                    span.mask.as_ref(),
-                )?;
+                let y = sdpa(&q, &k, &v.contiguous()?, scale, span.mask.as_ref())?;
                 y.transpose(1, 2)?.reshape((b, span.len, h * d)) // (1, len, H·D)
             })
             .collect::<Result<Vec<_>>>()?;
