@@ -16,7 +16,8 @@
 //! Biases ride along as an extra input column (the input's constant 1).
 
 use super::linalg::{eigh, matmul, sqrt_and_pinv_sqrt};
-use super::spec::{Method, Plan};
+use super::plan::Plan;
+use super::spec::Method;
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
 

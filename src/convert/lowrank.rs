@@ -17,7 +17,8 @@
 
 use super::gqa::{Heads, Projections};
 use super::linalg::{eigh, sqrt_and_pinv_sqrt};
-use super::spec::{Method, Plan};
+use super::plan::Plan;
+use super::spec::Method;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 

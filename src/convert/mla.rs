@@ -15,7 +15,7 @@
 
 use super::gqa::{self, Heads, Projections};
 use super::lowrank;
-use super::spec::Plan;
+use super::plan::Plan;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 

@@ -13,10 +13,12 @@ pub mod gqa;
 pub mod linalg;
 pub mod lowrank;
 pub mod mla;
+pub mod plan;
 pub mod spec;
 mod write;
 
-pub use spec::{Layout, Method, Plan, Spec};
+pub use plan::{Latent, Plan};
+pub use spec::{Layout, Method, Spec};
 pub use write::{write, Stage, Written};
 
 use crate::config::{AttentionConfig, ModelConfig};
