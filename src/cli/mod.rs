@@ -151,19 +151,15 @@ fn attention_fields(cfg: &ModelConfig) -> serde_json::Value {
         AttentionConfig::Gqa {
             num_kv_heads,
             head_dim,
-            kv_latent_rank: None,
+            kv_latent_rank,
             ..
-        } => json!({"num_key_value_heads": num_kv_heads, "head_dim": head_dim}),
-        AttentionConfig::Gqa {
-            num_kv_heads,
-            head_dim,
-            kv_latent_rank: Some(r),
-            ..
-        } => json!({
-            "num_key_value_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "kv_latent_rank": r,
-        }),
+        } => {
+            let mut v = json!({"num_key_value_heads": num_kv_heads, "head_dim": head_dim});
+            if let Some(r) = kv_latent_rank {
+                v["kv_latent_rank"] = json!(r);
+            }
+            v
+        }
         AttentionConfig::Mla(m) => json!({
             "kv_lora_rank": m.kv_lora_rank,
             "qk_rope_head_dim": m.qk_rope_head_dim,
