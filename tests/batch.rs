@@ -87,10 +87,11 @@ fn batched_greedy_ids_equal_each_sequence_alone() {
         let req = tiny_decoder::convert::Request {
             spec: spec.parse().unwrap(),
             calibration: None,
+            heal: None,
         };
         let f32 = tiny_decoder::loader::DTypeArg::Fixed(DType::F32);
         let (conv, _) =
-            tiny_decoder::convert::load(&source, f32, &Device::Cpu, &req, |_, _| {}).unwrap();
+            tiny_decoder::convert::load(&source, f32, &Device::Cpu, &req, |_, _, _| {}).unwrap();
         assert_eq!(conv.model.config().attention_kind(), kind);
         check(&format!("tiny-gqa {spec}"), &conv);
     }

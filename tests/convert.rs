@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{checkpoint, full_logits, greedy, max_abs_diff, BIN};
+use common::{checkpoint, full_logits, greedy, max_abs_diff, stories260k, BIN};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
@@ -27,8 +27,9 @@ fn convert(model: &str, spec: &str, calibration: Option<String>) -> (Loaded, con
     let req = Request {
         spec: spec.parse().unwrap(),
         calibration,
+        heal: None,
     };
-    convert::load(&source, DTypeArg::Auto, &Device::Cpu, &req, |_, _| {}).unwrap()
+    convert::load(&source, DTypeArg::Auto, &Device::Cpu, &req, |_, _, _| {}).unwrap()
 }
 
 fn original(model: &str) -> Loaded {
@@ -97,15 +98,6 @@ fn exact_conversions_of_bundled_models_reproduce_them() {
     let specs = [("mqa", 1), ("mha", 4), ("lowrank:64", 1)];
     assert_exact("tiny-mqa", &specs, "ROMEO:", &text);
     assert_exact("tiny-mha", &[("mha", 4)], "ROMEO:", &text);
-}
-
-fn stories260k() -> Option<String> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/checkpoints/stories260K");
-    if dir.is_dir() {
-        return Some(dir.to_str().unwrap().to_string());
-    }
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {} not found", dir.display());
-    None
 }
 
 #[test]

@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::Device;
-use common::{checkpoint, fails, greedy, BIN};
+use common::{checkpoint, fails, greedy, stories260k, BIN};
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,20 +26,6 @@ fn scratch(case: &str) -> PathBuf {
     let dir = root.join(case);
     let _ = std::fs::remove_dir_all(&dir);
     dir
-}
-
-fn stories260k() -> Option<String> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/checkpoints/stories260K");
-    if dir.is_dir() {
-        return Some(dir.to_str().unwrap().to_string());
-    }
-    let msg = format!("SKIPPED: {} not found", dir.display());
-    assert!(
-        std::env::var_os("TINY_DECODER_REQUIRE_SHARED").is_none(),
-        "{msg}"
-    );
-    let _ = writeln!(std::io::stderr(), "{msg}");
-    None
 }
 
 /// Runs `convert --json` and returns its report.
@@ -86,8 +72,10 @@ fn assert_round_trip(model: &str, spec: &str, kv_heads: usize, prompt: &str, tex
     let req = Request {
         spec: spec.parse().unwrap(),
         calibration: None,
+        heal: None,
     };
-    let (want, _) = convert::load(&source, DTypeArg::Auto, &Device::Cpu, &req, |_, _| {}).unwrap();
+    let (want, _) =
+        convert::load(&source, DTypeArg::Auto, &Device::Cpu, &req, |_, _, _| {}).unwrap();
     let got = loader::open(out.to_str().unwrap())
         .unwrap()
         .load(DTypeArg::Auto, &Device::Cpu)

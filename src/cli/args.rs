@@ -67,6 +67,20 @@ pub struct Placement {
     /// the program].
     #[arg(long, value_name = "FILE", requires = "attention")]
     pub calibration: Option<PathBuf>,
+    #[command(flatten)]
+    pub heal: HealArgs,
+}
+
+#[derive(Args, Clone)]
+pub struct HealArgs {
+    /// After a lossy gqa:G, mqa or lowrank:R conversion, fit each layer's new attention to
+    /// the original's output on the calibration text (least squares and AdamW, layer by
+    /// layer; minutes for a 135M model on 2 cores).
+    #[arg(long)]
+    pub heal: bool,
+    /// Optimiser steps per layer for --heal.
+    #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::STEPS, requires = "heal")]
+    pub heal_steps: usize,
 }
 
 #[derive(Args)]
@@ -254,6 +268,8 @@ pub struct ConvertArgs {
     /// the program].
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    #[command(flatten)]
+    pub heal: HealArgs,
     /// auto (each tensor in the checkpoint's dtype), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,

@@ -2,11 +2,10 @@
 //! a terminal and one line (or JSON object) on what was written.
 
 use super::args::ConvertArgs;
-use super::{conversion_line, conversion_method, request};
+use super::{add_heal, conversion_line, conversion_method, progress_bar, request, show_progress};
 use anyhow::{bail, Result};
 use serde_json::json;
-use std::io::IsTerminal;
-use tiny_decoder::convert::{self, Stage};
+use tiny_decoder::convert;
 use tiny_decoder::loader::{self, DTypeArg};
 
 pub fn run_convert(a: ConvertArgs) -> Result<()> {
@@ -20,19 +19,11 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
             )
         }
     };
-    let req = request(&a.attention, a.calibration.as_deref())?;
+    let req = request(&a.attention, a.calibration.as_deref(), &a.heal)?;
     let source = loader::open(&a.model)?;
-    let bar = match std::io::stderr().is_terminal() {
-        true => indicatif::ProgressBar::new(0),
-        false => indicatif::ProgressBar::hidden(),
-    };
+    let bar = progress_bar();
     let written = convert::write(&source, &req, dtype, &a.out, |stage, done, total| {
-        bar.set_message(match stage {
-            Stage::Calibrating => "calibrating (tokens)",
-            Stage::Converting => "converting (tensors)",
-        });
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
+        show_progress(&bar, stage, done, total)
     })?;
     bar.finish_and_clear();
     let r = &written.report;
@@ -51,6 +42,9 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
         });
         if let Some(l) = r.plan.latent {
             out["kv_latent_rank"] = json!(l.rank);
+        }
+        if let Some(h) = &r.heal {
+            add_heal(&mut out, h);
         }
         println!("{out}");
     } else {

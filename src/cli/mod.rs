@@ -45,21 +45,41 @@ fn load_reported(model: &str, p: &Placement) -> Result<(Loaded, Option<convert::
     let Some(spec) = &p.attention else {
         return Ok((source.load(dtype, &device)?, None));
     };
-    let request = request(spec, p.calibration.as_deref())?;
-    let bar = match std::io::stderr().is_terminal() {
-        true => indicatif::ProgressBar::new(0).with_message("calibrating"),
-        false => indicatif::ProgressBar::hidden(),
-    };
-    let (loaded, report) = convert::load(&source, dtype, &device, &request, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let request = request(spec, p.calibration.as_deref(), &p.heal)?;
+    let bar = progress_bar();
+    let (loaded, report) =
+        convert::load(&source, dtype, &device, &request, |stage, done, total| {
+            show_progress(&bar, stage, done, total)
+        })?;
     bar.finish_and_clear();
     Ok((loaded, Some(report)))
 }
 
-/// `--attention SPEC` with the text of `--calibration FILE`.
-fn request(spec: &str, calibration: Option<&std::path::Path>) -> Result<convert::Request> {
+/// A progress bar on a terminal, hidden elsewhere.
+fn progress_bar() -> indicatif::ProgressBar {
+    match std::io::stderr().is_terminal() {
+        true => indicatif::ProgressBar::new(0),
+        false => indicatif::ProgressBar::hidden(),
+    }
+}
+
+/// A conversion's progress on `bar`.
+fn show_progress(bar: &indicatif::ProgressBar, stage: convert::Stage, done: usize, total: usize) {
+    bar.set_message(match stage {
+        convert::Stage::Calibrating => "calibrating (tokens)",
+        convert::Stage::Healing => "healing (layers)",
+        convert::Stage::Converting => "converting (tensors)",
+    });
+    bar.set_length(total as u64);
+    bar.set_position(done as u64);
+}
+
+/// `--attention SPEC` with the text of `--calibration FILE` and `--heal`.
+fn request(
+    spec: &str,
+    calibration: Option<&std::path::Path>,
+    heal: &args::HealArgs,
+) -> Result<convert::Request> {
     let calibration = match calibration {
         Some(path) => Some(
             std::fs::read_to_string(path)
@@ -67,9 +87,16 @@ fn request(spec: &str, calibration: Option<&std::path::Path>) -> Result<convert:
         ),
         None => None,
     };
+    if heal.heal && heal.heal_steps == 0 {
+        anyhow::bail!(
+            "--heal-steps 0: give at least 1 (the default is {})",
+            convert::heal::STEPS
+        );
+    }
     Ok(convert::Request {
         spec: spec.parse()?,
         calibration,
+        heal: heal.heal.then_some(heal.heal_steps),
     })
 }
 
@@ -102,7 +129,20 @@ fn add_conversion(out: &mut serde_json::Value, loaded: &Loaded, report: Option<&
         out["attention_spec"] = json!(r.plan.spec.to_string());
         out["conversion_method"] = json!(conversion_method(r));
         out["conversion_secs"] = json!(r.secs);
+        if let Some(h) = &r.heal {
+            add_heal(out, h);
+        }
     }
+}
+
+/// `--heal`'s figures in a JSON report.
+fn add_heal(out: &mut serde_json::Value, h: &convert::HealReport) {
+    let (before, after) = h.mean_error();
+    out["heal_secs"] = json!(h.secs);
+    out["heal_steps"] = json!(h.steps);
+    out["heal_tokens"] = json!(h.tokens);
+    out["heal_error_before"] = json!(before);
+    out["heal_error_after"] = json!(after);
 }
 
 /// One line on what a conversion did.
@@ -119,8 +159,19 @@ fn conversion_line(r: &convert::Report) -> String {
         ),
         None => format!("{} -> {} K/V heads", p.from_kv_heads, p.to_kv_heads),
     };
+    let heal = match &r.heal {
+        Some(h) => {
+            let (before, after) = h.mean_error();
+            format!(
+                ", healed in {:.1} s ({} steps per layer on {} tokens: relative output error \
+                 {before:.4} -> {after:.4})",
+                h.secs, h.steps, h.tokens
+            )
+        }
+        None => String::new(),
+    };
     format!(
-        "attention converted to {} ({shape}, method {}{calibration}) in {:.2} s",
+        "attention converted to {} ({shape}, method {}{calibration}{heal}) in {:.2} s",
         p.spec,
         conversion_method(r),
         r.secs

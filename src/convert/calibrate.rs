@@ -67,3 +67,43 @@ pub fn measure(
         tokens: ids.len(),
     })
 }
+
+/// Each layer's attention input over up to `count` windows of `window` tokens spread over
+/// `ids`, every window from position 0: (N, window, C + 1) in f32 per layer, a constant 1
+/// appended as in [`Moments`]. What `--heal` fits on ([`super::heal`]).
+pub fn windows(
+    model: &Transformer,
+    ids: &[u32],
+    window: usize,
+    count: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<Tensor>> {
+    let cfg = model.config();
+    let available = ids.len() / window;
+    if available == 0 {
+        return Err(Error::Invalid(format!(
+            "--heal: the calibration text has {} tokens; healing needs at least {window}",
+            ids.len()
+        )));
+    }
+    let n = available.min(count);
+    let mut cache = KvCache::new(cfg, window, model.dtype(), model.device())?;
+    let mut per_layer: Vec<Vec<Tensor>> = vec![Vec::with_capacity(n); cfg.num_hidden_layers];
+    for w in 0..n {
+        // Spread over the text: window w of n starts at the (w·available/n)-th slot.
+        let start = w * available / n * window;
+        cache.reset();
+        let mut keep = |layer: usize, x: &Tensor| -> Result<()> {
+            let x = x.squeeze(0)?.to_dtype(DType::F32)?;
+            let ones = Tensor::ones((x.dim(0)?, 1), DType::F32, x.device())?;
+            per_layer[layer].push(Tensor::cat(&[&x, &ones], 1)?);
+            Ok(())
+        };
+        model.visit_attention_inputs(&ids[start..start + window], &mut cache, &mut keep)?;
+        progress(w + 1, n);
+    }
+    per_layer
+        .into_iter()
+        .map(|xs| Ok(Tensor::stack(&xs, 0)?))
+        .collect()
+}

@@ -12,7 +12,7 @@
 //! `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`) in a Llama config, with two of ours:
 //! `rope_groups` and `kv_latent_norm: false` (see `MlaConfig`).
 
-use super::{Conversion, Report, Request};
+use super::{Conversion, Report, Request, Stage};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::loader::Source;
@@ -32,15 +32,6 @@ const COPIED: [&str; 8] = [
     "vocab.json",
     "merges.txt",
 ];
-
-/// What [`write`] is doing, for a progress bar.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    /// Running the original over the calibration text (tokens).
-    Calibrating,
-    /// Taking the converted tensors (tensors).
-    Converting,
-}
 
 /// What [`write`] wrote.
 #[derive(Debug, Clone)]
@@ -66,8 +57,7 @@ pub fn write(
     // Before anything slow: a GGUF file or a broken checkpoint is refused here.
     let stored = source.stored()?;
     let partial = Partial::create(out)?;
-    let conversion =
-        Conversion::prepare(source, req, |done, n| progress(Stage::Calibrating, done, n))?;
+    let conversion = Conversion::prepare(source, req, &mut progress)?;
     let (cfg, backend) = conversion.rewrite(&stored.cfg, stored.backend)?;
     let mut tensors = Vec::with_capacity(stored.tensors.len());
     let mut bytes = 0;

@@ -133,4 +133,14 @@ impl Rotation {
             candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)
         }
     }
+
+    /// [`Self::apply`] in candle's basic ops, which carry gradients (its fused kernels do
+    /// not): for fitting (`--heal`), not for running.
+    pub fn apply_differentiable(&self, x: &Tensor) -> Result<Tensor> {
+        if self.interleaved {
+            candle_nn::rotary_emb::rope_i_slow(x, &self.cos, &self.sin)
+        } else {
+            candle_nn::rotary_emb::rope_slow(x, &self.cos, &self.sin)
+        }
+    }
 }

@@ -216,3 +216,19 @@ pub fn checkpoint_file(name: &str) -> Option<PathBuf> {
     skip(&path);
     None
 }
+
+/// `../shared/checkpoints/stories260K`, or `None` (said on stderr) when it is absent; a
+/// failure when TINY_DECODER_REQUIRE_SHARED is set.
+pub fn stories260k() -> Option<String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/checkpoints/stories260K");
+    if dir.is_dir() {
+        return Some(dir.to_str().unwrap().to_string());
+    }
+    let msg = format!("SKIPPED: {} not found", dir.display());
+    assert!(
+        std::env::var_os("TINY_DECODER_REQUIRE_SHARED").is_none(),
+        "{msg}"
+    );
+    let _ = writeln!(std::io::stderr(), "{msg}");
+    None
+}
