@@ -6,62 +6,53 @@
 //!
 //! Per layer: the output projection first by least squares (it is linear in the heads'
 //! outputs), then [`STEPS`] AdamW steps (candle-nn's) on every projection of the converted
-//! form, then the output projection by least squares again. A fit that ends worse than it
-//! began on the calibration windows is dropped, so healing never makes a layer worse there.
+//! form, then the output projection by least squares again. The last quarter of the
+//! windows is held out: it picks the least squares' regularisation, and a fit that ends
+//! worse there than it began is dropped.
 //!
 //! The fit needs gradients, which candle's fused kernels (RoPE, softmax, the decode op) do
-//! not give, so attention is written here once more in candle's differentiable basic ops,
-//! for training only, in the layout the fit shares across conversions: GQA whose keys and
-//! values come either from their own projections (`gqa:G`, `mqa`) or from one latent
-//! (`lowrank:R`: k = U_k·D·x̃, v = U_v·D·x̃). A test checks it against the engine's forward.
+//! not give, so attention is written once more, for fitting only, in [`attend`].
+//! MLA conversions are not healed (their split query and absorbed layout would need a form
+//! of their own).
+
+mod attend;
+
+pub use attend::Form;
 
 use super::gqa::Projections;
+use super::tensors::{converted_form, projections, put};
+use super::{HealReport, Plan};
+use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::rope::Rotation;
-use candle_core::{DType, Device, Tensor, Var, D};
+use crate::model::rope::{Rope, Rotation};
+use attend::{attend, in_batches, mask, output};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use nalgebra::DMatrix;
+use std::collections::HashMap;
+use std::time::Instant;
 
 /// Tokens per calibration window: every window starts at position 0.
 pub const WINDOW: usize = 256;
 /// At most this many windows (8192 tokens) are kept per layer.
 pub const WINDOWS: usize = 32;
-/// Optimiser steps per layer without `--heal-steps`, and windows per step.
+/// Optimiser steps per layer without `--heal-steps`.
 pub const STEPS: usize = 100;
+/// Windows per optimiser step.
 const BATCH: usize = 4;
 /// AdamW's learning rate, without weight decay (the fit starts where the conversion put
 /// it and should stay near it).
 const LR: f64 = 1e-3;
 
-/// One converted layer's attention in the form healing fits, in f64 like the conversions:
-/// projections (rows, C + 1) with their bias as the last column, `o` (C, H·D).
-#[derive(Debug, Clone)]
-pub enum Form {
-    /// K/V heads with projections of their own.
-    Gqa {
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        o: Tensor,
-    },
-    /// Keys and values rebuilt from one latent: `down` (R, C + 1), `k_up`/`v_up` (G·D, R).
-    LowRank {
-        q: Tensor,
-        down: Tensor,
-        k_up: Tensor,
-        v_up: Tensor,
-        o: Tensor,
-    },
-}
-
-/// How a layer's fit went: the relative output error on the calibration windows.
+/// How a layer's fit went: its relative output error on the held-out calibration windows.
 #[derive(Debug, Clone, Copy)]
 pub struct Fit {
     pub before: f64,
     pub after: f64,
 }
 
-/// The heads' shape and the windows' rotation and causal mask, shared by every layer.
+/// The heads' shape and the windows' rotation, shared by every layer.
 pub struct Geometry {
     pub num_heads: usize,
     pub head_dim: usize,
@@ -69,66 +60,47 @@ pub struct Geometry {
     pub rotation: Rotation,
 }
 
-impl Form {
-    fn tensors(&self) -> Vec<&Tensor> {
-        match self {
-            Form::Gqa { q, k, v, o } => vec![q, k, v, o],
-            Form::LowRank {
-                q,
-                down,
-                k_up,
-                v_up,
-                o,
-            } => vec![q, down, k_up, v_up, o],
-        }
+/// Heals every layer of a gqa/lowrank conversion ([`heal`]), `steps` optimiser steps each;
+/// `windows` are each layer's inputs, `replaced` the converted tensors by name.
+pub fn heal_all(
+    plan: &Plan,
+    cfg: &ModelConfig,
+    mut replaced: HashMap<String, Tensor>,
+    backend: &dyn SimpleBackend,
+    windows: &[Tensor],
+    steps: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(HashMap<String, Tensor>, HealReport)> {
+    let start = Instant::now();
+    let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
+        return Err(Error::Invalid("--heal: not a GQA-family model".into()));
+    };
+    let window = windows.first().map_or(0, |w| w.dim(1).unwrap_or(0));
+    let positions: Vec<u32> = (0..window as u32).collect();
+    let geo = Geometry {
+        num_heads: cfg.num_attention_heads,
+        head_dim,
+        rotation: Rope::new(&cfg.rope, DType::F32, &Device::Cpu)?.at_positions(&positions)?,
+    };
+    let n = cfg.num_hidden_layers;
+    let mut layers = Vec::with_capacity(n);
+    for (layer, inputs) in windows.iter().enumerate() {
+        let original = projections(backend, cfg, layer)?;
+        let form = converted_form(plan, cfg, &replaced, layer)?;
+        let (healed, fit) = heal(&form, &original, inputs, &geo, steps)?;
+        put(&mut replaced, cfg, layer, &healed)?;
+        layers.push(fit);
+        progress(layer + 1, n);
     }
-
-    /// The same form with `ts` (in [`Self::tensors`]' order) in place of its tensors.
-    fn with(&self, ts: &[Tensor]) -> Self {
-        match self {
-            Form::Gqa { .. } => Form::Gqa {
-                q: ts[0].clone(),
-                k: ts[1].clone(),
-                v: ts[2].clone(),
-                o: ts[3].clone(),
-            },
-            Form::LowRank { .. } => Form::LowRank {
-                q: ts[0].clone(),
-                down: ts[1].clone(),
-                k_up: ts[2].clone(),
-                v_up: ts[3].clone(),
-                o: ts[4].clone(),
-            },
-        }
-    }
-
-    fn o(&self) -> &Tensor {
-        match self {
-            Form::Gqa { o, .. } | Form::LowRank { o, .. } => o,
-        }
-    }
-
-    /// The same form with another output projection.
-    fn with_o(&self, o: Tensor) -> Self {
-        let mut ts: Vec<Tensor> = self.tensors().into_iter().cloned().collect();
-        let last = ts.len() - 1;
-        ts[last] = o;
-        self.with(&ts)
-    }
-
-    /// (q, k, v) as (rows, C + 1) projections.
-    fn qkv(&self) -> Result<(Tensor, Tensor, Tensor)> {
-        Ok(match self {
-            Form::Gqa { q, k, v, .. } => (q.clone(), k.clone(), v.clone()),
-            Form::LowRank {
-                q,
-                down,
-                k_up,
-                v_up,
-                ..
-            } => (q.clone(), k_up.matmul(down)?, v_up.matmul(down)?),
-        })
-    }
+    let report = HealReport {
+        secs: start.elapsed().as_secs_f64(),
+        steps,
+        tokens: windows
+            .first()
+            .map_or(0, |w| w.dim(0).unwrap_or(0) * window),
+        layers,
+    };
+    Ok((replaced, report))
 }
 
 /// Fits `form` so that its output on `inputs` (N, [`WINDOW`], C + 1), f32, is the output of
@@ -164,7 +136,7 @@ pub fn heal(
         v: original.v.clone(),
         o: original.o.clone(),
     })?;
-    let mask = causal_mask(inputs.dim(1)?, inputs.device())?;
+    let mask = mask(inputs.dim(1)?, inputs.device())?;
     let targets = in_batches(inputs, |x| output(&reference, x, geo, &mask))?;
     let fit_set = Set::new(inputs, &targets, 0, n - held)?;
     let check = Set::new(inputs, &targets, n - held, held)?;
@@ -247,62 +219,6 @@ impl Set {
         Ok(e / self.energy)
     }
 }
-
-/// `f` over `inputs` a few windows at a time, the results joined along the first dim.
-fn in_batches(inputs: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-    let n = inputs.dim(0)?;
-    let parts = (0..n)
-        .step_by(BATCH)
-        .map(|i| f(&inputs.narrow(0, i, BATCH.min(n - i))?))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&parts, 0)?)
-}
-
-/// 0 on and below the diagonal, -∞ above: (T, T).
-fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t)
-        .map(|i| match i % t > i / t {
-            true => f32::NEG_INFINITY,
-            false => 0.0,
-        })
-        .collect();
-    Ok(Tensor::from_vec(m, (t, t), dev)?)
-}
-
-/// The attention's output (B, T, C) for x (B, T, C + 1), before any `o_proj` bias.
-fn output(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Tensor> {
-    Ok(attend(f, x, geo, mask)?.broadcast_matmul(&f.o().t()?)?)
-}
-
-/// The heads' outputs before `o_proj`, (B, T, H·D), for x (B, T, C + 1): GQA attention with
-/// RoPE over each window from position 0, in differentiable ops.
-fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Tensor> {
-    let (b, t, c1) = x.dims3()?;
-    let (h, d) = (geo.num_heads, geo.head_dim);
-    let (wq, wk, wv) = f.qkv()?;
-    let g = wk.dim(0)? / d;
-    let flat = x.reshape((b * t, c1))?;
-    let proj = |w: &Tensor, n: usize| -> candle_core::Result<Tensor> {
-        flat.matmul(&w.t()?)?
-            .reshape((b, t, n, d))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let q = geo.rotation.apply_differentiable(&proj(&wq, h)?)?;
-    let k = geo.rotation.apply_differentiable(&proj(&wk, g)?)?;
-    let v = proj(&wv, g)?;
-    // The H/G query heads of a K/V head as one block of rows: no copies of K and V.
-    let q = q.reshape((b, g, (h / g) * t, d))?;
-    let mask = mask.repeat(((h / g), 1))?;
-    let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
-    // The row maxima only keep exp in range: no gradient flows through them.
-    let max = scores.max_keepdim(D::Minus1)?.detach();
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    let y = p.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?;
-    Ok(y.reshape((b, t, h * d))?)
-}
-
 /// `f` with its output projection refitted by least squares on `fit`, pulled towards the
 /// current one: o = argmin ‖A·oᵀ − Y‖² + λ‖o − o₀‖² for A the heads' outputs, with λ (a
 /// multiple of AᵀA's mean diagonal) the best on `check`, o₀ itself when none helps there.

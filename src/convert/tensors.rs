@@ -1,0 +1,207 @@
+//! A layer's attention tensors by their checkpoint names: the original projections read
+//! as augmented (rows, C + 1) matrices, the converted ones fitted and put back under the
+//! names the converted model loads, and the backend that serves them in place of the
+//! checkpoint's.
+
+use super::gqa::{self, augment, Heads, Projections};
+use super::heal::Form;
+use super::{lowrank, mla, Moments, Plan};
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use std::collections::HashMap;
+
+/// One layer's original attention projections, augmented, in f64.
+pub fn projections(
+    backend: &dyn SimpleBackend,
+    cfg: &ModelConfig,
+    layer: usize,
+) -> Result<Projections> {
+    let AttentionConfig::Gqa { qkv_bias, .. } = cfg.attention else {
+        return Err(Error::Invalid("--attention: not a GQA-family model".into()));
+    };
+    let name = |p: &str, what: &str| format!("model.layers.{layer}.self_attn.{p}.{what}");
+    let get = |p: &str, what: &str| backend.get_unchecked(&name(p, what), DType::F32, &Device::Cpu);
+    let proj = |p: &str| -> Result<Tensor> {
+        let bias = match qkv_bias {
+            true => Some(get(p, "bias")?),
+            false => None,
+        };
+        augment(&get(p, "weight")?, bias.as_ref())
+    };
+    Ok(Projections {
+        q: proj("q_proj")?,
+        k: proj("k_proj")?,
+        v: proj("v_proj")?,
+        o: get("o_proj", "weight")?.to_dtype(DType::F64)?,
+    })
+}
+
+/// Every layer's converted attention tensors, by checkpoint name, f32.
+pub fn fit(
+    plan: &Plan,
+    heads: Heads,
+    cfg: &ModelConfig,
+    backend: &dyn SimpleBackend,
+    moments: Option<&Moments>,
+) -> Result<HashMap<String, Tensor>> {
+    let mut replaced = HashMap::new();
+    for layer in 0..cfg.num_hidden_layers {
+        let w = projections(backend, cfg, layer)?;
+        let moment = moments.map(|m| &m.per_layer[layer]);
+        let form = if plan.latent.is_some_and(|l| l.rope.is_some()) {
+            let out = mla::convert(plan, heads, &w, moment)?;
+            let c = cfg.hidden_size;
+            let weight = |t: &Tensor| t.narrow(1, 0, c)?.to_dtype(DType::F32);
+            let name = |p: &str| format!("model.layers.{layer}.self_attn.{p}.weight");
+            replaced.insert(name("q_proj"), weight(&out.q)?);
+            replaced.insert(name("kv_a_proj_with_mqa"), weight(&out.kv_a)?);
+            replaced.insert(name("kv_b_proj"), out.kv_b.to_dtype(DType::F32)?);
+            continue;
+        } else if plan.latent.is_some() {
+            let out = lowrank::convert(plan, heads, &w, moment)?;
+            Form::LowRank {
+                q: w.q,
+                down: out.down,
+                k_up: out.k_up,
+                v_up: out.v_up,
+                o: w.o,
+            }
+        } else {
+            let out = gqa::convert(plan, heads, &w, moment)?;
+            Form::Gqa {
+                q: out.q,
+                k: out.k,
+                v: out.v,
+                o: out.o,
+            }
+        };
+        put(&mut replaced, cfg, layer, &form)?;
+    }
+    Ok(replaced)
+}
+
+/// `form`'s tensors under their checkpoint names: an augmented (rows, C + 1) projection as
+/// its weight and, where the model has them, its bias.
+pub fn put(
+    replaced: &mut HashMap<String, Tensor>,
+    cfg: &ModelConfig,
+    layer: usize,
+    form: &Form,
+) -> Result<()> {
+    let AttentionConfig::Gqa { qkv_bias, .. } = cfg.attention else {
+        return Err(Error::Invalid("--attention: not a GQA-family model".into()));
+    };
+    let c = cfg.hidden_size;
+    let name = |p: &str, what: &str| format!("model.layers.{layer}.self_attn.{p}.{what}");
+    let mut augmented = |p: &str, t: &Tensor| -> Result<()> {
+        replaced.insert(name(p, "weight"), t.narrow(1, 0, c)?.to_dtype(DType::F32)?);
+        if qkv_bias {
+            let bias = t.narrow(1, c, 1)?.squeeze(1)?.to_dtype(DType::F32)?;
+            replaced.insert(name(p, "bias"), bias);
+        }
+        Ok(())
+    };
+    let plain = match form {
+        Form::Gqa { q, k, v, o } => {
+            augmented("q_proj", q)?;
+            augmented("k_proj", k)?;
+            augmented("v_proj", v)?;
+            vec![("o_proj", o)]
+        }
+        Form::LowRank {
+            q,
+            down,
+            k_up,
+            v_up,
+            o,
+        } => {
+            augmented("q_proj", q)?;
+            augmented("kv_down", down)?;
+            vec![("k_up", k_up), ("v_up", v_up), ("o_proj", o)]
+        }
+    };
+    for (p, t) in plain {
+        replaced.insert(name(p, "weight"), t.to_dtype(DType::F32)?);
+    }
+    Ok(())
+}
+
+/// A layer's converted tensors back in [`Form`] (augmented, f64).
+pub fn converted_form(
+    plan: &Plan,
+    cfg: &ModelConfig,
+    replaced: &HashMap<String, Tensor>,
+    layer: usize,
+) -> Result<Form> {
+    let AttentionConfig::Gqa { qkv_bias, .. } = cfg.attention else {
+        return Err(Error::Invalid("--heal: not a GQA-family model".into()));
+    };
+    let get = |p: &str, what: &str| -> Result<&Tensor> {
+        let name = format!("model.layers.{layer}.self_attn.{p}.{what}");
+        replaced
+            .get(&name)
+            .ok_or_else(|| Error::Invalid(format!("--heal: no converted {name}")))
+    };
+    let augmented = |p: &str| -> Result<Tensor> {
+        let bias = match qkv_bias {
+            true => Some(get(p, "bias")?.clone()),
+            false => None,
+        };
+        augment(get(p, "weight")?, bias.as_ref())
+    };
+    let plain = |p: &str| -> Result<Tensor> { Ok(get(p, "weight")?.to_dtype(DType::F64)?) };
+    Ok(match plan.latent {
+        Some(_) => Form::LowRank {
+            q: augmented("q_proj")?,
+            down: augmented("kv_down")?,
+            k_up: plain("k_up")?,
+            v_up: plain("v_up")?,
+            o: plain("o_proj")?,
+        },
+        None => Form::Gqa {
+            q: augmented("q_proj")?,
+            k: augmented("k_proj")?,
+            v: augmented("v_proj")?,
+            o: plain("o_proj")?,
+        },
+    })
+}
+
+/// The checkpoint's tensors, with some replaced by the conversion's (f32, on the CPU).
+pub struct Replaced {
+    pub inner: Box<dyn SimpleBackend>,
+    pub replaced: HashMap<String, Tensor>,
+}
+
+impl SimpleBackend for Replaced {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        match self.replaced.get(name) {
+            Some(t) if t.shape() != &s => Err(candle_core::Error::Msg(format!(
+                "converted {name}: shape {:?}, the model expects {s:?}",
+                t.shape()
+            ))),
+            Some(t) => t.to_dtype(dtype)?.to_device(dev),
+            None => self.inner.get(s, name, h, dtype, dev),
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        match self.replaced.get(name) {
+            Some(t) => t.to_dtype(dtype)?.to_device(dev),
+            None => self.inner.get_unchecked(name, dtype, dev),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.replaced.contains_key(name) || self.inner.contains_tensor(name)
+    }
+}
