@@ -13,6 +13,10 @@ conversion calibrates on the program's default text, data/calibration.txt.
   prose written for this repo in the TinyStories style, not from its training data),
   bench 480 + 31 tokens.
 
+A spec ending in "+heal" (`mqa+heal`) is converted once with `convert --heal` into
+target/healed/ and that checkpoint is evaluated and benched as it is; its conversion and
+healing seconds are convert's.
+
 A spec the binary refuses (non-zero exit) is listed as "not available" with its error, so
 the script can be re-run with a newer binary. Standard library only; from the repo root:
 
@@ -23,6 +27,8 @@ the script can be re-run with a newer binary. Standard library only; from the re
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import time
@@ -34,7 +40,7 @@ MODELS = {
         "bench": (2000, 32),
         "specs": ["original", "mha", "mqa,method=mean", "mqa", "lowrank:384", "lowrank:256",
                   "lowrank:128", "lowrank:128,method=svd", "lowrank:64", "mla:64,rope=64",
-                  "mla:192,rope=64", "mla:192,rope=192"],
+                  "mla:192,rope=64", "mla:192,rope=192", "mqa+heal", "lowrank:128+heal"],
     },
     "stories260k": {
         "dir": "../shared/checkpoints/stories260K",
@@ -42,7 +48,7 @@ MODELS = {
         "bench": (480, 31),
         "specs": ["original", "mha", "gqa:2,method=mean", "gqa:2", "mqa,method=mean", "mqa",
                   "lowrank:64", "lowrank:32", "lowrank:16", "lowrank:16,method=svd",
-                  "mla:16,rope=8"],
+                  "mla:16,rope=8", "gqa:2+heal", "mqa+heal", "lowrank:16+heal"],
     },
 }
 
@@ -58,17 +64,38 @@ def run(binary, command, model_dir, spec, *args):
     return json.loads(out.stdout), None
 
 
-def measure(binary, model, model_dir, specs, rounds):
+def healed(binary, model_dir, spec, name):
+    """A "SPEC+heal" row: `convert --heal` once into target/, whose directory is then run
+    unconverted; (directory, convert's report) or (None, its error line)."""
+    out = os.path.join("target", "healed", f"{name}-{spec}")
+    shutil.rmtree(out, ignore_errors=True)
+    report, err = run(binary, "convert", model_dir, spec.removesuffix("+heal"), "--heal",
+                      "--out", out)
+    return (out, report) if err is None else (None, err)
+
+
+def measure(binary, name, model, model_dir, specs, rounds):
     """Every spec's eval, then `rounds` alternating benches; one dict per spec."""
     rows = {}
     for spec in specs:
-        ev, err = run(binary, "eval", model_dir, spec, "--file", model["heldout"])
-        rows[spec] = {"spec": spec, "error": err, "eval": ev, "decode_tokens_per_s": []}
+        where, run_spec, heal = model_dir, spec, None
+        if spec.endswith("+heal"):
+            where, heal = healed(binary, model_dir, spec, name)
+            run_spec = "original"
+        if where is None:
+            rows[spec] = {"spec": spec, "error": heal, "eval": None, "decode_tokens_per_s": []}
+            continue
+        ev, err = run(binary, "eval", where, run_spec, "--file", model["heldout"])
+        if ev is not None and heal is not None:
+            for key in ("conversion_method", "conversion_secs", "heal_secs"):
+                ev[key] = heal[key]
+        rows[spec] = {"spec": spec, "error": err, "eval": ev, "decode_tokens_per_s": [],
+                      "dir": where, "run_spec": run_spec}
     prompt, new = model["bench"]
     for _ in range(rounds):
         for spec in specs:
             if rows[spec]["error"] is None:
-                r, err = run(binary, "bench", model_dir, spec,
+                r, err = run(binary, "bench", rows[spec]["dir"], rows[spec]["run_spec"],
                              "--prompt-tokens", str(prompt), "--new-tokens", str(new))
                 if err is not None:
                     rows[spec]["error"] = err
@@ -87,20 +114,21 @@ def table(name, model, rows):
     dtype = base["eval"]["dtype"]
     lines = [f"| model | spec | method | KV bytes per token ({dtype}) | KV vs original | "
              f"perplexity | ΔNLL (nats) | decode tok/s at {prompt + new} positions (vs original) "
-             f"| conversion (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"| conversion (s) | of which healing (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for spec, r in rows.items():
         if r["error"] is not None:
-            lines.append(f"| {name} | {spec} | not available: {r['error']} |||||||")
+            lines.append(f"| {name} | {spec} | not available: {r['error']} ||||||||")
             continue
         ev = r["eval"]
         speed = statistics.median(r["decode_tokens_per_s"])
         method = ev.get("conversion_method", "—")
         secs = f"{ev['conversion_secs']:.2f}" if "conversion_secs" in ev else "—"
+        heal = f"{ev['heal_secs']:.2f}" if "heal_secs" in ev else "—"
         lines.append(f"| {name} | {spec} | {method} | {ev['kv_bytes_per_token']:,} | "
                      f"{ev['kv_bytes_per_token'] / base_kv:.3f} | {ev['perplexity']:.2f} | "
                      f"{ev['mean_nll'] - base_nll:+.4f} | {speed:.1f} ({speed / base_speed:.2f}×) "
-                     f"| {secs} |")
+                     f"| {secs} | {heal} |")
     return "\n".join(lines)
 
 
@@ -126,7 +154,7 @@ def main():
         model = MODELS[name]
         specs = a.specs.split(";") if a.specs else model["specs"]
         specs = ["original"] + [s for s in specs if s != "original"]
-        rows = measure(a.bin, model, dirs.get(name, model["dir"]), specs, a.rounds)
+        rows = measure(a.bin, name, model, dirs.get(name, model["dir"]), specs, a.rounds)
         results[name] = rows
         print(table(name, model, rows) + "\n", flush=True)
     print(f"load average (1, 5, 15 min): {load_start} at start, {loadavg()} at end; "
