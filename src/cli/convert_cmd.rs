@@ -2,7 +2,9 @@
 //! a terminal and one line (or JSON object) on what was written.
 
 use super::args::ConvertArgs;
-use super::{add_heal, conversion_line, conversion_method, progress_bar, request, show_progress};
+use super::conversion::{
+    add_heal, conversion_line, conversion_method, progress_bar, request, show_progress,
+};
 use anyhow::{bail, Result};
 use serde_json::json;
 use tiny_decoder::convert;

@@ -3,6 +3,7 @@
 
 pub mod args;
 mod chat;
+mod conversion;
 mod convert_cmd;
 mod generate;
 mod serve;
@@ -15,6 +16,7 @@ pub use serve::run_serve;
 use anyhow::{bail, Context, Result};
 use args::{BenchArgs, EvalArgs, ModelArgs, Placement};
 use candle_core::{DType, Device};
+use conversion::{add_conversion, conversion_line, conversion_method, load_reported};
 use serde_json::json;
 use std::io::IsTerminal;
 use tiny_decoder::chat::ChatTemplate;
@@ -38,68 +40,6 @@ fn load(model: &str, p: &Placement) -> Result<Loaded> {
     Ok(loaded)
 }
 
-/// [`load`], with what the conversion did when `--attention` was given.
-fn load_reported(model: &str, p: &Placement) -> Result<(Loaded, Option<convert::Report>)> {
-    let (dtype, device) = placement(p)?;
-    let source = loader::open(model)?;
-    let Some(spec) = &p.attention else {
-        return Ok((source.load(dtype, &device)?, None));
-    };
-    let request = request(spec, p.calibration.as_deref(), &p.heal)?;
-    let bar = progress_bar();
-    let (loaded, report) =
-        convert::load(&source, dtype, &device, &request, |stage, done, total| {
-            show_progress(&bar, stage, done, total)
-        })?;
-    bar.finish_and_clear();
-    Ok((loaded, Some(report)))
-}
-
-/// A progress bar on a terminal, hidden elsewhere.
-fn progress_bar() -> indicatif::ProgressBar {
-    match std::io::stderr().is_terminal() {
-        true => indicatif::ProgressBar::new(0),
-        false => indicatif::ProgressBar::hidden(),
-    }
-}
-
-/// A conversion's progress on `bar`.
-fn show_progress(bar: &indicatif::ProgressBar, stage: convert::Stage, done: usize, total: usize) {
-    bar.set_message(match stage {
-        convert::Stage::Calibrating => "calibrating (tokens)",
-        convert::Stage::Healing => "healing (layers)",
-        convert::Stage::Converting => "converting (tensors)",
-    });
-    bar.set_length(total as u64);
-    bar.set_position(done as u64);
-}
-
-/// `--attention SPEC` with the text of `--calibration FILE` and `--heal`.
-fn request(
-    spec: &str,
-    calibration: Option<&std::path::Path>,
-    heal: &args::HealArgs,
-) -> Result<convert::Request> {
-    let calibration = match calibration {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("--calibration {}: cannot read", path.display()))?,
-        ),
-        None => None,
-    };
-    if heal.heal && heal.heal_steps == 0 {
-        anyhow::bail!(
-            "--heal-steps 0: give at least 1 (the default is {})",
-            convert::heal::STEPS
-        );
-    }
-    Ok(convert::Request {
-        spec: spec.parse()?,
-        calibration,
-        heal: heal.heal.then_some(heal.heal_steps),
-    })
-}
-
 /// A loaded model described as `info` reports it.
 fn describe_loaded(loaded: &Loaded) -> loader::Description {
     loader::Description {
@@ -110,72 +50,6 @@ fn describe_loaded(loaded: &Loaded) -> loader::Description {
         quantization: loaded.model.quantization(),
         checkpoint_dtype: loaded.checkpoint_dtype,
     }
-}
-
-/// `exact` when every new K/V head copies an original one, else the method's name.
-fn conversion_method(r: &convert::Report) -> &'static str {
-    match r.plan.is_exact() {
-        true => "exact",
-        false => r.plan.method.name(),
-    }
-}
-
-/// The attention a JSON report ran with, and the conversion that made it.
-fn add_conversion(out: &mut serde_json::Value, loaded: &Loaded, report: Option<&convert::Report>) {
-    let cfg = loaded.model.config();
-    out["attention"] = json!(cfg.attention_kind());
-    out["kv_bytes_per_token"] = json!(cfg.kv_bytes_per_token(loaded.model.dtype().size_in_bytes()));
-    if let Some(r) = report {
-        out["attention_spec"] = json!(r.plan.spec.to_string());
-        out["conversion_method"] = json!(conversion_method(r));
-        out["conversion_secs"] = json!(r.secs);
-        if let Some(h) = &r.heal {
-            add_heal(out, h);
-        }
-    }
-}
-
-/// `--heal`'s figures in a JSON report.
-fn add_heal(out: &mut serde_json::Value, h: &convert::HealReport) {
-    let (before, after) = h.mean_error();
-    out["heal_secs"] = json!(h.secs);
-    out["heal_steps"] = json!(h.steps);
-    out["heal_tokens"] = json!(h.tokens);
-    out["heal_error_before"] = json!(before);
-    out["heal_error_after"] = json!(after);
-}
-
-/// One line on what a conversion did.
-fn conversion_line(r: &convert::Report) -> String {
-    let p = &r.plan;
-    let calibration = match r.calibration_tokens {
-        0 => String::new(),
-        n => format!(", calibrated on {n} tokens"),
-    };
-    let shape = match p.latent {
-        Some(l) => format!(
-            "{} K/V heads through a rank-{} latent of {}",
-            p.to_kv_heads, l.rank, l.full
-        ),
-        None => format!("{} -> {} K/V heads", p.from_kv_heads, p.to_kv_heads),
-    };
-    let heal = match &r.heal {
-        Some(h) => {
-            let (before, after) = h.mean_error();
-            format!(
-                ", healed in {:.1} s ({} steps per layer on {} tokens: relative output error \
-                 {before:.4} -> {after:.4})",
-                h.secs, h.steps, h.tokens
-            )
-        }
-        None => String::new(),
-    };
-    format!(
-        "attention converted to {} ({shape}, method {}{calibration}{heal}) in {:.2} s",
-        p.spec,
-        conversion_method(r),
-        r.secs
-    )
 }
 
 fn tokenizer<'a>(loaded: &'a Loaded, model: &str) -> Result<&'a TextTokenizer> {

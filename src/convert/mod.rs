@@ -25,7 +25,7 @@ pub use write::{write, Written};
 
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::loader::{DTypeArg, Loaded, Source};
+use crate::loader::{DTypeArg, Loaded, Source, Stored};
 use calibrate::Moments;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -100,46 +100,43 @@ pub struct Conversion {
 }
 
 impl Conversion {
-    /// Plans `req` for `source`, runs the original model over the calibration text when
-    /// the fit or healing needs it, and converts every layer's attention.
+    /// Plans `req` for `source` (whose files `stored` holds), runs the original model over
+    /// the calibration text when the fit or healing needs it, and converts (and heals)
+    /// every layer's attention.
     pub fn prepare(
         source: &Source,
+        stored: &Stored,
         req: &Request,
         mut progress: impl FnMut(Stage, usize, usize),
     ) -> Result<Self> {
         let start = Instant::now();
-        let stored = source.stored()?;
-        let cfg = stored.cfg;
-        let plan = req.spec.plan(&cfg)?;
-        let heads = heads(&cfg, &plan, req.heal.is_some())?;
+        let cfg = &stored.cfg;
+        let plan = req.spec.plan(cfg)?;
+        let heads = heads(cfg, &plan, req.heal.is_some())?;
         let aware = plan.method == Method::Aware && !plan.is_exact();
         let healing = req.heal.filter(|_| !plan.is_exact());
         let mut calibration = Calibration::default();
         if aware || healing.is_some() {
             calibration = calibrate(source, req, aware, healing.is_some(), &mut progress)?;
         }
-        let moments = calibration.moments.as_ref();
-        let replaced = tensors::fit(&plan, heads, &cfg, &*stored.backend, moments)?;
-        let (replaced, heal) = match (healing, &calibration.windows) {
-            (Some(steps), Some(windows)) => {
-                let (r, h) = heal::heal_all(
-                    &plan,
-                    &cfg,
-                    replaced,
-                    &*stored.backend,
-                    windows,
-                    steps,
-                    |d, n| progress(Stage::Healing, d, n),
-                )?;
-                (r, Some(h))
-            }
-            _ => (replaced, None),
+        let mut healer = match (healing, &calibration.windows) {
+            (Some(steps), Some(windows)) => Some(heal::Healer::new(cfg, windows, steps)?),
+            _ => None,
         };
+        let replaced = tensors::fit(
+            &plan,
+            heads,
+            cfg,
+            &*stored.backend,
+            calibration.moments.as_ref(),
+            healer.as_mut(),
+            |done, n| progress(Stage::Healing, done, n),
+        )?;
         Ok(Self {
             plan,
             replaced,
             calibration_tokens: calibration.tokens,
-            heal,
+            heal: healer.map(heal::Healer::report),
             start,
         })
     }
@@ -182,7 +179,8 @@ pub fn load(
     req: &Request,
     progress: impl FnMut(Stage, usize, usize),
 ) -> Result<(Loaded, Report)> {
-    let conversion = Conversion::prepare(source, req, progress)?;
+    let stored = source.stored()?;
+    let conversion = Conversion::prepare(source, &stored, req, progress)?;
     let rewrite = |cfg: &ModelConfig, backend| conversion.rewrite(cfg, backend);
     let loaded = source.load_with(dtype, device, Some(&rewrite))?;
     Ok((loaded, conversion.report()))

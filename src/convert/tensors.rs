@@ -4,7 +4,7 @@
 //! checkpoint's.
 
 use super::gqa::{self, augment, Heads, Projections};
-use super::heal::Form;
+use super::heal::{Form, Healer};
 use super::{lowrank, mla, Moments, Plan};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
@@ -13,7 +13,7 @@ use candle_nn::var_builder::SimpleBackend;
 use std::collections::HashMap;
 
 /// One layer's original attention projections, augmented, in f64.
-pub fn projections(
+fn projections(
     backend: &dyn SimpleBackend,
     cfg: &ModelConfig,
     layer: usize,
@@ -38,13 +38,16 @@ pub fn projections(
     })
 }
 
-/// Every layer's converted attention tensors, by checkpoint name, f32.
+/// Every layer's converted attention tensors, by checkpoint name, f32; each layer healed as
+/// it is converted when `healer` is given (`progress(layers done, layers)` follows it).
 pub fn fit(
     plan: &Plan,
     heads: Heads,
     cfg: &ModelConfig,
     backend: &dyn SimpleBackend,
     moments: Option<&Moments>,
+    mut healer: Option<&mut Healer>,
+    mut progress: impl FnMut(usize, usize),
 ) -> Result<HashMap<String, Tensor>> {
     let mut replaced = HashMap::new();
     for layer in 0..cfg.num_hidden_layers {
@@ -62,11 +65,11 @@ pub fn fit(
         } else if plan.latent.is_some() {
             let out = lowrank::convert(plan, heads, &w, moment)?;
             Form::LowRank {
-                q: w.q,
+                q: w.q.clone(),
                 down: out.down,
                 k_up: out.k_up,
                 v_up: out.v_up,
-                o: w.o,
+                o: w.o.clone(),
             }
         } else {
             let out = gqa::convert(plan, heads, &w, moment)?;
@@ -77,6 +80,14 @@ pub fn fit(
                 o: out.o,
             }
         };
+        let form = match healer.as_deref_mut() {
+            Some(h) => {
+                let healed = h.layer(layer, &form, &w)?;
+                progress(layer + 1, cfg.num_hidden_layers);
+                healed
+            }
+            None => form,
+        };
         put(&mut replaced, cfg, layer, &form)?;
     }
     Ok(replaced)
@@ -84,7 +95,7 @@ pub fn fit(
 
 /// `form`'s tensors under their checkpoint names: an augmented (rows, C + 1) projection as
 /// its weight and, where the model has them, its bias.
-pub fn put(
+fn put(
     replaced: &mut HashMap<String, Tensor>,
     cfg: &ModelConfig,
     layer: usize,
@@ -126,47 +137,6 @@ pub fn put(
         replaced.insert(name(p, "weight"), t.to_dtype(DType::F32)?);
     }
     Ok(())
-}
-
-/// A layer's converted tensors back in [`Form`] (augmented, f64).
-pub fn converted_form(
-    plan: &Plan,
-    cfg: &ModelConfig,
-    replaced: &HashMap<String, Tensor>,
-    layer: usize,
-) -> Result<Form> {
-    let AttentionConfig::Gqa { qkv_bias, .. } = cfg.attention else {
-        return Err(Error::Invalid("--heal: not a GQA-family model".into()));
-    };
-    let get = |p: &str, what: &str| -> Result<&Tensor> {
-        let name = format!("model.layers.{layer}.self_attn.{p}.{what}");
-        replaced
-            .get(&name)
-            .ok_or_else(|| Error::Invalid(format!("--heal: no converted {name}")))
-    };
-    let augmented = |p: &str| -> Result<Tensor> {
-        let bias = match qkv_bias {
-            true => Some(get(p, "bias")?.clone()),
-            false => None,
-        };
-        augment(get(p, "weight")?, bias.as_ref())
-    };
-    let plain = |p: &str| -> Result<Tensor> { Ok(get(p, "weight")?.to_dtype(DType::F64)?) };
-    Ok(match plan.latent {
-        Some(_) => Form::LowRank {
-            q: augmented("q_proj")?,
-            down: augmented("kv_down")?,
-            k_up: plain("k_up")?,
-            v_up: plain("v_up")?,
-            o: plain("o_proj")?,
-        },
-        None => Form::Gqa {
-            q: augmented("q_proj")?,
-            k: augmented("k_proj")?,
-            v: augmented("v_proj")?,
-            o: plain("o_proj")?,
-        },
-    })
 }
 
 /// The checkpoint's tensors, with some replaced by the conversion's (f32, on the CPU).

@@ -57,7 +57,7 @@ pub fn write(
     // Before anything slow: a GGUF file or a broken checkpoint is refused here.
     let stored = source.stored()?;
     let partial = Partial::create(out)?;
-    let conversion = Conversion::prepare(source, req, &mut progress)?;
+    let conversion = Conversion::prepare(source, &stored, req, &mut progress)?;
     let (cfg, backend) = conversion.rewrite(&stored.cfg, stored.backend)?;
     let mut tensors = Vec::with_capacity(stored.tensors.len());
     let mut bytes = 0;

@@ -20,17 +20,14 @@ mod attend;
 pub use attend::Form;
 
 use super::gqa::Projections;
-use super::tensors::{converted_form, projections, put};
-use super::{HealReport, Plan};
+use super::HealReport;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::rope::{Rope, Rotation};
 use attend::{attend, in_batches, mask, output};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use nalgebra::DMatrix;
-use std::collections::HashMap;
 use std::time::Instant;
 
 /// Tokens per calibration window: every window starts at position 0.
@@ -60,47 +57,59 @@ pub struct Geometry {
     pub rotation: Rotation,
 }
 
-/// Heals every layer of a gqa/lowrank conversion ([`heal`]), `steps` optimiser steps each;
-/// `windows` are each layer's inputs, `replaced` the converted tensors by name.
-pub fn heal_all(
-    plan: &Plan,
-    cfg: &ModelConfig,
-    mut replaced: HashMap<String, Tensor>,
-    backend: &dyn SimpleBackend,
-    windows: &[Tensor],
+/// Heals a conversion's layers one by one as they are converted ([`Self::layer`]), on each
+/// layer's calibration windows, and keeps what each fit did for the report.
+pub struct Healer<'a> {
+    geo: Geometry,
+    /// Each layer's attention inputs, (N, [`WINDOW`], C + 1).
+    windows: &'a [Tensor],
     steps: usize,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<(HashMap<String, Tensor>, HealReport)> {
-    let start = Instant::now();
-    let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
-        return Err(Error::Invalid("--heal: not a GQA-family model".into()));
-    };
-    let window = windows.first().map_or(0, |w| w.dim(1).unwrap_or(0));
-    let positions: Vec<u32> = (0..window as u32).collect();
-    let geo = Geometry {
-        num_heads: cfg.num_attention_heads,
-        head_dim,
-        rotation: Rope::new(&cfg.rope, DType::F32, &Device::Cpu)?.at_positions(&positions)?,
-    };
-    let n = cfg.num_hidden_layers;
-    let mut layers = Vec::with_capacity(n);
-    for (layer, inputs) in windows.iter().enumerate() {
-        let original = projections(backend, cfg, layer)?;
-        let form = converted_form(plan, cfg, &replaced, layer)?;
-        let (healed, fit) = heal(&form, &original, inputs, &geo, steps)?;
-        put(&mut replaced, cfg, layer, &healed)?;
-        layers.push(fit);
-        progress(layer + 1, n);
+    fits: Vec<Fit>,
+    start: Instant,
+}
+
+impl<'a> Healer<'a> {
+    pub fn new(cfg: &ModelConfig, windows: &'a [Tensor], steps: usize) -> Result<Self> {
+        let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
+            return Err(Error::Invalid("--heal: not a GQA-family model".into()));
+        };
+        let positions: Vec<u32> = (0..WINDOW as u32).collect();
+        let geo = Geometry {
+            num_heads: cfg.num_attention_heads,
+            head_dim,
+            rotation: Rope::new(&cfg.rope, DType::F32, &Device::Cpu)?.at_positions(&positions)?,
+        };
+        Ok(Self {
+            geo,
+            windows,
+            steps,
+            fits: Vec::with_capacity(windows.len()),
+            start: Instant::now(),
+        })
     }
-    let report = HealReport {
-        secs: start.elapsed().as_secs_f64(),
-        steps,
-        tokens: windows
-            .first()
-            .map_or(0, |w| w.dim(0).unwrap_or(0) * window),
-        layers,
-    };
-    Ok((replaced, report))
+
+    /// Layer `layer`'s converted attention `form`, healed towards `original`.
+    pub fn layer(&mut self, layer: usize, form: &Form, original: &Projections) -> Result<Form> {
+        let inputs = self.windows.get(layer).ok_or_else(|| {
+            Error::Invalid(format!("--heal: no calibration windows for layer {layer}"))
+        })?;
+        let (healed, fit) = heal(form, original, inputs, &self.geo, self.steps)?;
+        self.fits.push(fit);
+        Ok(healed)
+    }
+
+    /// What was done, timed from [`Self::new`].
+    pub fn report(self) -> HealReport {
+        HealReport {
+            secs: self.start.elapsed().as_secs_f64(),
+            steps: self.steps,
+            tokens: self
+                .windows
+                .first()
+                .map_or(0, |w| w.dim(0).unwrap_or(0) * WINDOW),
+            layers: self.fits,
+        }
+    }
 }
 
 /// Fits `form` so that its output on `inputs` (N, [`WINDOW`], C + 1), f32, is the output of
