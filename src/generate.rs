@@ -5,7 +5,7 @@
 mod sequence;
 mod stop;
 
-pub use sequence::{run, Sequence};
+pub use sequence::{check_fits, run, Sequence};
 
 pub use stop::{first_match, StopStrings};
 
@@ -138,6 +138,8 @@ pub struct Options<'a> {
     pub stop: &'a [String],
     /// Checked before every decode step; once set, generation stops as `Interrupted`.
     pub interrupt: Option<&'a AtomicBool>,
+    /// Generate past the model's EOS ids, up to `max_new_tokens` (the server's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 impl Options<'_> {
@@ -146,6 +148,7 @@ impl Options<'_> {
             max_new_tokens,
             stop: &[],
             interrupt: None,
+            ignore_eos: false,
         }
     }
 }

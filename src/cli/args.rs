@@ -251,6 +251,9 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* [default: $TINY_DECODER_API_KEY, else none].
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Seconds a request may wait for a free cache; longer, it is answered 408 and dropped.
+    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
+    pub request_timeout: f64,
     #[command(flatten)]
     pub placement: Placement,
 }

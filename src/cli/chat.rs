@@ -94,6 +94,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
             max_new_tokens: a.max_new_tokens,
             stop: &a.stop,
             interrupt: Some(&INTERRUPTED),
+            ignore_eos: false,
         };
         let json_mode = a.json;
         let turn = chat.turn(&line, opts, &mut sampler, |text| {

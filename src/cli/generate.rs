@@ -69,6 +69,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
         max_new_tokens: a.max_new_tokens,
         stop: &a.stop,
         interrupt: Some(&INTERRUPTED),
+        ignore_eos: false,
     };
     let mut seqs = caches
         .iter_mut()

@@ -5,6 +5,7 @@ use super::args::ServeArgs;
 use super::{chat_template, load};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
+use std::time::Duration;
 use tiny_decoder::loader::bundled;
 use tiny_decoder::serve::{self, Model, Options};
 
@@ -25,6 +26,13 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         Some(key) => Some(key),
         // An empty variable (`TINY_DECODER_API_KEY=`) means no key, as if unset.
         None => std::env::var(API_KEY_VAR).ok().filter(|k| !k.is_empty()),
+    };
+    let request_timeout = match Duration::try_from_secs_f64(a.request_timeout) {
+        Ok(t) if !t.is_zero() => t,
+        _ => bail!(
+            "--request-timeout {}: must be a positive number of seconds",
+            a.request_timeout
+        ),
     };
     let name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
     let mut loaded = load(name, &a.placement)?;
@@ -55,6 +63,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         context,
         api_key,
+        request_timeout,
     };
     Ok(serve::run(model, opts)?)
 }

@@ -1,11 +1,14 @@
 //! One sequence being generated ([`Sequence`]) and the loop that runs one or many of them
-//! through the model's batched step together ([`run`]).
+//! through the model's batched step together ([`run`]). `generate`, `chat` and the server's
+//! scheduler all drive this one type: sample, EOS, stop strings, stream, length and context
+//! are decided here and nowhere else.
 
 use super::{stop, Generation, Options, StopReason, StopStrings, TokenStream};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
 use crate::sampling::Sampler;
+use std::borrow::BorrowMut;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tokenizers::Tokenizer;
@@ -14,25 +17,22 @@ use tokenizers::Tokenizer;
 /// first, then its last token) through one [`Transformer::next_logits_batch`], so the
 /// weights are read once per step for all of them. `on_text(i, piece)` streams sequence i's
 /// text. `interrupt`, checked after every step, ends them all as `Interrupted`.
-pub fn run(
+pub fn run<C: BorrowMut<KvCache>, S: BorrowMut<Sampler>>(
     model: &Transformer,
-    seqs: &mut [Sequence<'_>],
+    seqs: &mut [Sequence<'_, C, S>],
     interrupt: Option<&AtomicBool>,
     mut on_text: impl FnMut(usize, &str),
 ) -> Result<()> {
     loop {
         let start = Instant::now();
-        let mut feeds: Vec<Feed> = seqs.iter_mut().filter_map(Sequence::feed).collect();
+        let mut feeds: Vec<Feed> = seqs.iter_mut().filter_map(|s| s.feed(usize::MAX)).collect();
         if feeds.is_empty() {
             return Ok(());
         }
         let logits = model.next_logits_batch(&mut feeds)?;
         drop(feeds);
         let interrupted = interrupt.is_some_and(|i| i.load(Ordering::Relaxed));
-        let running = seqs
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, s)| s.stop.is_none());
+        let running = seqs.iter_mut().enumerate().filter(|(_, s)| !s.ended());
         for ((i, seq), logits) in running.zip(logits) {
             let mut emit = |text: &str| on_text(i, text);
             match interrupted {
@@ -45,95 +45,145 @@ pub fn run(
 }
 
 /// One sequence being generated: its cache and sampler, the tokens so far, the text stream
-/// and stop strings. [`run`] drives one or many of them; the server's scheduler can too.
-pub struct Sequence<'a> {
+/// and stop strings. The cache and the sampler are borrowed (`generate`, `chat`: the caller
+/// keeps them for the next turn) or owned (the server's scheduler: a request owns one of its
+/// caches while it runs), whichever `C` and `S` are.
+pub struct Sequence<'a, C = &'a mut KvCache, S = &'a mut Sampler> {
     tokenizer: &'a Tokenizer,
-    cache: &'a mut KvCache,
-    sampler: &'a mut Sampler,
-    opts: Options<'a>,
+    /// Its first `cache.len()` positions hold `history[..cache.len()]`.
+    cache: C,
+    sampler: S,
+    max_new_tokens: usize,
+    /// Generate past the model's EOS ids, up to `max_new_tokens`.
+    ignore_eos: bool,
     eos: Vec<u32>,
-    prompt_ids: Vec<u32>,
-    reused: usize,
-    /// Prompt and generated ids (the repeat penalty's window).
+    /// Text that ends the sequence (never shown, nor anything after it).
+    stop_list: Vec<String>,
+    /// The prompt, then every sampled token (the repeat penalty's window). Once the prompt
+    /// is in, the cache holds all of it but the last sampled token (the next one to feed).
     history: Vec<u32>,
-    /// What the next step feeds: the unprefilled prompt, then the last sampled token.
-    pending: Vec<u32>,
+    prompt_len: usize,
+    /// Leading prompt tokens the cache already held when the sequence began.
+    reused: usize,
     stream: TokenStream<'a>,
     stops: StopStrings,
-    token_ids: Vec<u32>,
     stop: Option<StopReason>,
-    /// Steps taken: the first prefilled.
-    steps: usize,
+    /// Whether the last [`Sequence::feed`] carried prompt tokens (for [`Sequence::spend`]).
+    fed_prompt: bool,
     prefill_secs: f64,
     decode_steps: usize,
     decode_secs: f64,
 }
 
-impl<'a> Sequence<'a> {
-    /// Checks that the prompt fits `cache` and keeps the prefix the cache already holds.
+/// Checks that a prompt of `prompt_len` tokens leaves room for a token in a cache of
+/// `capacity` positions and in the model's context.
+pub fn check_fits(model: &Transformer, capacity: usize, prompt_len: usize) -> Result<()> {
+    let context = model.config().max_position_embeddings;
+    if prompt_len == 0 {
+        return Err(Error::Invalid("the prompt encodes to no tokens".into()));
+    }
+    if prompt_len >= context.min(capacity + 1) {
+        return Err(Error::Invalid(format!(
+            "the prompt is {prompt_len} tokens but the context length is {}: shorten the prompt",
+            context.min(capacity)
+        )));
+    }
+    Ok(())
+}
+
+impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
+    /// Checks that the prompt fits `cache` and keeps the prefix the cache already holds: the
+    /// caller guarantees its first `cache.len()` positions are `prompt_ids[..cache.len()]`
+    /// (a chat turn's shared history; a reset cache holds none).
     pub fn new(
         model: &Transformer,
         tokenizer: &'a Tokenizer,
-        cache: &'a mut KvCache,
+        cache: C,
         prompt_ids: &[u32],
-        opts: Options<'a>,
-        sampler: &'a mut Sampler,
+        opts: Options<'_>,
+        sampler: S,
     ) -> Result<Self> {
-        let cfg = model.config();
-        let context = cfg.max_position_embeddings;
-        if prompt_ids.is_empty() {
-            return Err(Error::Invalid("the prompt encodes to no tokens".into()));
-        }
-        if prompt_ids.len() >= context.min(cache.capacity() + 1) {
-            return Err(Error::Invalid(format!(
-                "the prompt is {} tokens but the context length is {}: shorten the prompt",
-                prompt_ids.len(),
-                context.min(cache.capacity())
-            )));
-        }
-        let reused = cache.len().min(prompt_ids.len() - 1);
-        cache.truncate(reused);
-        Ok(Self {
+        check_fits(model, cache.borrow().capacity(), prompt_ids.len())?;
+        Ok(Self::start(
+            model, tokenizer, cache, prompt_ids, opts, sampler,
+        ))
+    }
+
+    /// [`Sequence::new`] for a caller that has checked [`check_fits`] itself and must keep
+    /// the cache whatever happens (the scheduler). A prompt that does not fit fails at its
+    /// first step instead (an empty one is never fed).
+    pub fn start(
+        model: &Transformer,
+        tokenizer: &'a Tokenizer,
+        mut cache: C,
+        prompt_ids: &[u32],
+        opts: Options<'_>,
+        sampler: S,
+    ) -> Self {
+        let reused = cache.borrow().len().min(prompt_ids.len().saturating_sub(1));
+        cache.borrow_mut().truncate(reused);
+        let last = prompt_ids.len().saturating_sub(1);
+        Self {
             tokenizer,
             cache,
             sampler,
-            opts,
-            eos: cfg.eos_token_ids.clone(),
-            prompt_ids: prompt_ids.to_vec(),
-            reused,
+            max_new_tokens: opts.max_new_tokens,
+            ignore_eos: opts.ignore_eos,
+            eos: model.config().eos_token_ids.clone(),
+            stop_list: opts
+                .stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned()
+                .collect(),
             history: prompt_ids.to_vec(),
-            pending: prompt_ids[reused..].to_vec(),
-            stream: TokenStream::new(tokenizer, &prompt_ids[prompt_ids.len() - 1..]),
+            prompt_len: prompt_ids.len(),
+            reused,
+            stream: TokenStream::new(tokenizer, &prompt_ids[last..]),
             stops: StopStrings::new(opts.stop),
-            token_ids: Vec::new(),
             stop: None,
-            steps: 0,
+            fed_prompt: false,
             prefill_secs: 0.0,
             decode_steps: 0,
             decode_secs: 0.0,
+        }
+    }
+
+    /// The ids to feed this step with the cache they go into: at most `budget` prompt tokens
+    /// while the prompt goes in (a long prompt in chunks), then the last sampled token.
+    /// `None` once the sequence ended, or when `budget` leaves no prompt token for it.
+    pub fn feed(&mut self, budget: usize) -> Option<Feed<'_>> {
+        let start = self.cache.borrow().len();
+        self.fed_prompt = self.prefilling();
+        let n = match self.fed_prompt {
+            true => (self.prompt_len - start).min(budget),
+            false => self.history.len() - start,
+        };
+        (self.stop.is_none() && n > 0).then(|| Feed {
+            ids: &self.history[start..start + n],
+            cache: self.cache.borrow_mut(),
         })
     }
 
-    /// The ids to feed this step with the cache they go into, or `None` once finished.
-    pub fn feed(&mut self) -> Option<Feed<'_>> {
-        self.stop.is_none().then(|| Feed {
-            ids: &self.pending,
-            cache: &mut *self.cache,
-        })
+    /// Whether part of the prompt is not in the cache yet.
+    pub fn prefilling(&self) -> bool {
+        self.cache.borrow().len() < self.prompt_len
     }
 
     /// Takes the logits of the step that fed [`Sequence::feed`]: samples the next token and
-    /// either queues it for the next step or ends the sequence.
+    /// either queues it for the next step or ends the sequence. After a prompt chunk that
+    /// left part of the prompt out, the logits predict nothing yet and are ignored.
     pub fn accept(&mut self, logits: &[f32], on_text: &mut dyn FnMut(&str)) -> Result<()> {
-        let max = self.opts.max_new_tokens;
-        if self.token_ids.len() == max {
+        if self.prefilling() {
+            return Ok(());
+        }
+        if self.generated().len() == self.max_new_tokens {
             return self.end(StopReason::Length, on_text);
         }
-        let next = self.sampler.sample(logits, &self.history);
-        if self.eos.contains(&next) {
+        let next = self.sampler.borrow_mut().sample(logits, &self.history);
+        if !self.ignore_eos && self.eos.contains(&next) {
             return self.end(StopReason::Eos, on_text);
         }
-        self.token_ids.push(next);
         self.history.push(next);
         if let Some(text) = self.stream.push(next)? {
             let (shown, stopped) = self.stops.push(&text);
@@ -143,56 +193,81 @@ impl<'a> Sequence<'a> {
                 return Ok(());
             }
         }
-        if self.token_ids.len() == max {
+        if self.generated().len() == self.max_new_tokens {
             return self.end(StopReason::Length, on_text);
         }
-        if self.cache.len() == self.cache.capacity() {
-            return self.end(StopReason::Context, on_text);
+        let cache = self.cache.borrow();
+        if cache.len() == cache.capacity() {
+            self.end(StopReason::Context, on_text)?;
         }
-        self.pending = vec![next];
         Ok(())
     }
 
     /// Ends the sequence, emitting the text still held back.
     pub fn end(&mut self, reason: StopReason, on_text: &mut dyn FnMut(&str)) -> Result<()> {
+        self.stop = Some(reason);
         let rest = self.stream.flush()?.map(|t| self.stops.push(&t).0);
         on_text(&(rest.unwrap_or_default() + &self.stops.finish()));
-        self.stop = Some(reason);
         Ok(())
     }
 
-    /// Counts a step's time: the first step prefilled, each later one decoded one token.
-    fn spend(&mut self, secs: f64) {
-        match self.steps {
-            0 => self.prefill_secs = secs,
-            _ => {
+    /// Whether the sequence has ended.
+    pub fn ended(&self) -> bool {
+        self.stop.is_some()
+    }
+
+    /// The ids generated so far, the EOS id excluded.
+    pub fn generated(&self) -> &[u32] {
+        &self.history[self.prompt_len..]
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
+    /// Counts a step's time: as prefill while it fed prompt tokens, else as one decode step.
+    pub fn spend(&mut self, secs: f64) {
+        match self.fed_prompt {
+            true => self.prefill_secs += secs,
+            false => {
                 self.decode_steps += 1;
                 self.decode_secs += secs;
             }
         }
-        self.steps += 1;
     }
 
-    /// The result, once [`run`] has ended the sequence.
-    pub fn finish(self) -> Result<Generation> {
+    /// The result so far (at the end: the result): the generated ids decoded at once, cut
+    /// at the first stop string.
+    pub fn generation(&self) -> Result<Generation> {
         let mut text = self
             .tokenizer
-            .decode(&self.token_ids, true)
+            .decode(self.generated(), true)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        if let Some(at) = stop::first_match(&text, self.opts.stop) {
+        if let Some(at) = stop::first_match(&text, &self.stop_list) {
             text.truncate(at);
         }
+        let cache = self.cache.borrow();
         Ok(Generation {
-            prompt_token_ids: self.prompt_ids,
+            prompt_token_ids: self.history[..self.prompt_len].to_vec(),
             reused_tokens: self.reused,
-            token_ids: self.token_ids,
+            token_ids: self.generated().to_vec(),
             text,
             stop_reason: self.stop.unwrap_or(StopReason::Interrupted),
             prefill_secs: self.prefill_secs,
             decode_steps: self.decode_steps,
             decode_secs: self.decode_secs,
-            kv_cache_bytes: self.cache.bytes_in_use(),
-            kv_bytes_per_token: self.cache.bytes_per_token(),
+            kv_cache_bytes: cache.bytes_in_use(),
+            kv_bytes_per_token: cache.bytes_per_token(),
         })
+    }
+
+    /// The result, once [`run`] has ended the sequence.
+    pub fn finish(self) -> Result<Generation> {
+        self.generation()
+    }
+
+    /// Gives the cache back (the scheduler reuses it for the next request).
+    pub fn into_cache(self) -> C {
+        self.cache
     }
 }

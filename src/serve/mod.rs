@@ -3,13 +3,13 @@
 //! [`routes`] checks requests and answers in OpenAI's shapes ([`openai`]), whole or streamed
 //! as server-sent events ([`sse`]). One [`scheduler`] thread owns the model and the
 //! `--max-batch` KV caches, allocated here once; every request runs in one of them as a
-//! [`sequence`], batched with the others at each step. tokio serves HTTP on two threads of
+//! [`request`], batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
 mod openai;
+mod request;
 mod routes;
 mod scheduler;
-mod sequence;
 mod sse;
 
 pub use scheduler::PREFILL_PER_STEP;
@@ -21,6 +21,7 @@ use crate::loader::{GenerationConfig, TextTokenizer};
 use crate::model::Transformer;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// How the server runs (the `serve` flags).
@@ -39,6 +40,8 @@ pub struct Options {
     pub context: usize,
     /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
     pub api_key: Option<String>,
+    /// How long a request may wait for a cache before it is answered 408.
+    pub request_timeout: Duration,
 }
 
 /// The model and what goes with it.
@@ -72,15 +75,14 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
     let cancel = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(scheduler::Stats::default());
     let tokenizer = Arc::new(m.tokenizer.inner().clone());
-    let (queue, scheduler) = scheduler::spawn(
-        m.model,
-        tokenizer,
-        caches,
-        opts.max_queue,
-        cancel.clone(),
-        stats.clone(),
-    )
-    .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
+    let settings = scheduler::Settings {
+        max_queue: opts.max_queue,
+        request_timeout: opts.request_timeout,
+        cancel: cancel.clone(),
+        stats: stats.clone(),
+    };
+    let (queue, scheduler) = scheduler::spawn(m.model, tokenizer, caches, settings)
+        .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
     let served = Arc::new(routes::Served {
         model_id: opts.model_id.clone(),
         created: routes::unix_now(),
@@ -93,6 +95,7 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         queue,
         stats,
         api_key: opts.api_key.clone(),
+        request_timeout: opts.request_timeout,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

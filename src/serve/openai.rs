@@ -2,12 +2,13 @@
 //! are ignored, as OpenAI ignores them), replies and stream chunks as its clients parse them,
 //! and its error body `{"error": {"message", "type", "param", "code"}}`.
 
-use super::scheduler::Finish;
+use super::request::{Event, Finish};
 use crate::generate::StopReason;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// The fields `/v1/completions` and `/v1/chat/completions` share.
 #[derive(Debug, Default, Deserialize)]
@@ -212,6 +213,11 @@ fn usage(f: &Finish) -> Value {
            "total_tokens": f.prompt_tokens + f.completion_tokens})
 }
 
+/// The message of a request the shutdown cancelled.
+pub const SHUTDOWN: &str = "the server is shutting down";
+/// The message of a request whose scheduler went away without ending it (a bug).
+pub const STOPPED: &str = "the scheduler stopped before this request ended";
+
 /// An error reply: its status, and the body OpenAI's clients read.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -294,6 +300,28 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         let status = StatusCode::SERVICE_UNAVAILABLE;
         Self::new(status, "server_error", message.into())
+    }
+
+    /// 408: the request waited longer than `--request-timeout` for a cache.
+    pub fn timed_out(timeout: Duration) -> Self {
+        let m = format!(
+            "the request waited more than {} s for the model (--request-timeout): the server \
+             is overloaded; retry later",
+            timeout.as_secs_f64()
+        );
+        Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", m).with_code("request_timeout")
+    }
+
+    /// The error for an event that ends a request without a reply.
+    pub fn ending(event: Event, timeout: Duration) -> Self {
+        match event {
+            Event::Failed(m) => Self::internal(m),
+            Event::Cancelled => Self::unavailable(SHUTDOWN),
+            Event::TimedOut => Self::timed_out(timeout),
+            Event::Admitted | Event::Text(_) | Event::Done(_) => {
+                Self::internal("the scheduler answered out of order (a bug)")
+            }
+        }
     }
 
     pub fn body(&self) -> Value {

@@ -3,15 +3,18 @@
 //! sampling as `generate` does, check that it fits the context (400), queue it (429 when
 //! full), then reply whole or as a stream.
 
-use super::openai::{ApiError, ChatRequest, CompletionRequest, Params, Prompt, Reply};
-use super::scheduler::{Event, Job, Queue, Refused, Stats};
+use super::openai::{
+    ApiError, ChatRequest, CompletionRequest, Params, Prompt, Reply, SHUTDOWN, STOPPED,
+};
+use super::request::{Event, Job};
+use super::scheduler::{Queue, Refused, Stats};
 use super::sse;
 use crate::chat::{ChatTemplate, Message};
 use crate::loader::{GenerationConfig, TextTokenizer};
 use crate::sampling::{Requested, Sampler};
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, Uri};
+use axum::http::{header, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +23,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// What every handler reads; the model itself lives in the scheduler thread.
@@ -39,6 +42,8 @@ pub struct Served {
     pub queue: Queue,
     pub stats: Arc<Stats>,
     pub api_key: Option<String>,
+    /// How long a request may wait for a cache (`--request-timeout`).
+    pub request_timeout: Duration,
 }
 
 type Shared = Arc<Served>;
@@ -64,11 +69,22 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn health(State(s): State<Shared>) -> Json<Value> {
-    let (running, largest) = (&s.stats.running, &s.stats.largest_batch);
-    Json(json!({"status": "ok", "max_batch": s.max_batch,
-                "running": running.load(Ordering::Relaxed),
-                "largest_batch": largest.load(Ordering::Relaxed)}))
+async fn health(State(s): State<Shared>) -> (StatusCode, Json<Value>) {
+    let st = &s.stats;
+    let alive = st.alive.load(Ordering::Acquire);
+    let body = Json(
+        json!({"status": if alive { "ok" } else { "scheduler stopped" },
+                "max_batch": s.max_batch,
+                "running": st.running.load(Ordering::Relaxed),
+                "waiting": st.waiting.load(Ordering::Relaxed),
+                "largest_batch": st.largest_batch.load(Ordering::Relaxed),
+                "scheduler_restarts": st.restarts.load(Ordering::Relaxed)}),
+    );
+    let status = match alive {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (status, body)
 }
 
 fn model_object(s: &Served) -> Value {
@@ -202,11 +218,14 @@ async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer
         ignore_eos: p.ignore_eos.unwrap_or(false),
         sampler,
         events,
+        queued: Instant::now(),
     };
     s.queue.submit(job).map_err(|r| match r {
         Refused::Full => ApiError::busy(s.queue.capacity),
-        Refused::Stopped => ApiError::unavailable(sse::SHUTDOWN),
+        Refused::Stopped => ApiError::unavailable(SHUTDOWN),
     })?;
+    // The status goes out once the request has a cache: a 408, 503 or 500 before then.
+    let receiver = admitted(receiver, s.request_timeout).await?;
     let prefix = if chat { "chatcmpl" } else { "cmpl" };
     let reply = Reply {
         id: format!("{prefix}-{:016x}", rand::random::<u64>()),
@@ -215,21 +234,37 @@ async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer
         chat,
     };
     match p.stream() {
-        true => Ok(sse::response(reply, receiver, p.include_usage())),
-        false => whole(reply, receiver).await,
+        true => Ok(sse::response(
+            reply,
+            receiver,
+            p.include_usage(),
+            s.request_timeout,
+        )),
+        false => whole(reply, receiver, s.request_timeout).await,
     }
 }
 
-async fn whole(reply: Reply, mut events: UnboundedReceiver<Event>) -> Answer {
+/// Waits until the scheduler admits the request; its refusal as the error to answer.
+async fn admitted(
+    mut events: UnboundedReceiver<Event>,
+    timeout: Duration,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
+    match events.recv().await {
+        Some(Event::Admitted) => Ok(events),
+        Some(event) => Err(ApiError::ending(event, timeout)),
+        None => Err(ApiError::internal(STOPPED)),
+    }
+}
+
+async fn whole(reply: Reply, mut events: UnboundedReceiver<Event>, timeout: Duration) -> Answer {
     while let Some(event) = events.recv().await {
         match event {
-            Event::Text(_) => {}
+            Event::Admitted | Event::Text(_) => {}
             Event::Done(f) => return Ok(Json(reply.whole(&f)).into_response()),
-            Event::Failed(m) => return Err(ApiError::internal(m)),
-            Event::Cancelled => return Err(ApiError::unavailable(sse::SHUTDOWN)),
+            event => return Err(ApiError::ending(event, timeout)),
         }
     }
-    Err(ApiError::internal(sse::STOPPED))
+    Err(ApiError::internal(STOPPED))
 }
 
 /// `n`, the stop strings, the token budget and the sampling fields; returns `max_tokens`

@@ -1,24 +1,27 @@
 //! The scheduler: one thread owns the model and the `--max-batch` KV caches, and runs
-//! continuous batching. Each step feeds every running sequence at once through
-//! [`Transformer::next_logits_batch`]: one decode token for each sequence that generates, a
+//! continuous batching. Each step feeds every running request at once through
+//! [`Transformer::next_logits_batch`]: one decode token for each request that generates, a
 //! chunk of the prompt for each newcomer. Requests wait in a bounded queue and join at the
-//! next step that finds a cache free; a sequence leaves when it ends (EOS id, stop string,
-//! `max_tokens`, the context) or its client goes away, and its cache goes back to the free
-//! list. The caches are allocated once, at start-up, and only reset between requests.
+//! next step that finds a cache free; one that waits past `--request-timeout` is answered
+//! 408 and dropped. A request leaves when its sequence ends or its client goes away, and its
+//! cache goes back to the free list. The caches are allocated once, at start-up, and only
+//! reset between requests.
+//!
+//! A panic anywhere in the loop (inside a step or not) fails the requests in flight with a
+//! 500 and the loop goes on with a fresh batch: the server never answers 503 forever.
 
-use super::sequence::Sequence;
+use super::request::{Event, Job, Request};
 use crate::error::Result;
-use crate::generate::StopReason;
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
-use crate::sampling::Sampler;
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 use tokenizers::Tokenizer;
-use tokio::sync::mpsc::UnboundedSender;
 
 /// Prompt tokens fed per step, all newcomers together. Every running stream waits for a
 /// step that carries a prompt chunk, so a long prompt goes in over several steps: 128 tokens
@@ -26,56 +29,38 @@ use tokio::sync::mpsc::UnboundedSender;
 /// while a chunk is still wide enough for the tiled products to run at prefill speed.
 pub const PREFILL_PER_STEP: usize = 128;
 
-/// A request, tokenized and checked by its handler.
-pub struct Job {
-    /// Not empty; with `max_tokens` it fits the caches' capacity.
-    pub prompt: Vec<u32>,
-    /// At least 1.
-    pub max_tokens: usize,
-    /// Non-empty stop strings.
-    pub stop: Vec<String>,
-    /// Generate past the model's EOS ids, up to `max_tokens`.
-    pub ignore_eos: bool,
-    pub sampler: Sampler,
-    /// Where the request's text and end go; dropped by the handler when its client leaves.
-    pub events: UnboundedSender<Event>,
-}
-
-/// What the scheduler tells a request's handler.
-pub enum Event {
-    /// Text that became complete (none of it part of a stop string).
-    Text(String),
-    /// The end, with the whole text and the counts.
-    Done(Finish),
-    /// The request failed: its step did (a 500).
-    Failed(String),
-    /// The server's shutdown ended the request before it was done (a 503).
-    Cancelled,
-}
-
-#[derive(Debug, Clone)]
-pub struct Finish {
-    pub reason: StopReason,
-    /// The generated ids decoded at once, cut at the first stop string (as `generate`).
-    pub text: String,
-    pub prompt_tokens: usize,
-    /// Tokens generated, the EOS id excluded.
-    pub completion_tokens: usize,
-}
-
 /// What the scheduler reports on `/health`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
-    /// Sequences in the batch after the last step.
+    /// Requests in the batch after the last step.
     pub running: AtomicUsize,
-    /// The most sequences one step has fed since start: above 1, requests were batched.
+    /// Requests queued for a cache (what `--max-queue` bounds).
+    pub waiting: AtomicUsize,
+    /// The most requests one step has fed since start: above 1, requests were batched.
     pub largest_batch: AtomicUsize,
+    /// Panics the scheduler survived (each failed the requests in flight).
+    pub restarts: AtomicUsize,
+    /// False once the scheduler thread has ended: `/health` then answers 503.
+    pub alive: AtomicBool,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Self {
+            running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            largest_batch: AtomicUsize::new(0),
+            restarts: AtomicUsize::new(0),
+            alive: AtomicBool::new(true),
+        }
+    }
 }
 
 /// The sending end of the queue of waiting requests, held by the HTTP handlers.
 #[derive(Clone)]
 pub struct Queue {
-    jobs: SyncSender<Job>,
+    jobs: Sender<Job>,
+    stats: Arc<Stats>,
     /// How many requests may wait (`--max-queue`).
     pub capacity: usize,
 }
@@ -91,122 +76,287 @@ pub enum Refused {
 impl Queue {
     /// Queues `job` without waiting.
     pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
-        self.jobs.try_send(job).map_err(|e| match e {
-            TrySendError::Full(_) => Refused::Full,
-            TrySendError::Disconnected(_) => Refused::Stopped,
+        let waiting = &self.stats.waiting;
+        let room = |n: usize| (n < self.capacity).then_some(n + 1);
+        if waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, room)
+            .is_err()
+        {
+            return Err(Refused::Full);
+        }
+        self.jobs.send(job).map_err(|_| {
+            waiting.fetch_sub(1, Ordering::AcqRel);
+            Refused::Stopped
         })
     }
 }
 
-/// Starts the scheduler thread with `caches` (one per sequence that may run at once). It
-/// ends when every [`Queue`] is dropped and its running sequences are done; `cancel` ends
-/// them at the next step instead.
+/// How the scheduler runs besides its model and caches.
+pub struct Settings {
+    /// Requests that may wait for a cache (`--max-queue`).
+    pub max_queue: usize,
+    /// How long a request may wait for a cache before it is answered 408.
+    pub request_timeout: Duration,
+    /// Set by the second shutdown signal: every request ends at the next step.
+    pub cancel: Arc<AtomicBool>,
+    pub stats: Arc<Stats>,
+}
+
+/// Starts the scheduler thread with `caches` (one per request that may run at once). It
+/// ends when every [`Queue`] is dropped and its running requests are done.
 pub fn spawn(
     model: Transformer,
     tokenizer: Arc<Tokenizer>,
     caches: Vec<KvCache>,
-    max_queue: usize,
-    cancel: Arc<AtomicBool>,
-    stats: Arc<Stats>,
+    settings: Settings,
 ) -> std::io::Result<(Queue, JoinHandle<()>)> {
-    let (jobs, waiting) = sync_channel(max_queue);
-    let thread = std::thread::Builder::new()
-        .name("scheduler".into())
-        .spawn(move || run(&model, &tokenizer, caches, &waiting, &cancel, &stats))?;
+    let (jobs, inbox) = channel();
     let queue = Queue {
         jobs,
-        capacity: max_queue,
+        stats: settings.stats.clone(),
+        capacity: settings.max_queue,
     };
+    let thread = std::thread::Builder::new()
+        .name("scheduler".into())
+        .spawn(move || {
+            let stats = settings.stats.clone();
+            supervise(&model, &tokenizer, caches, &inbox, &settings);
+            stats.alive.store(false, Ordering::Release);
+        })?;
     Ok((queue, thread))
 }
 
-fn run(
+/// The requests the scheduler holds: those that run (each in its cache), the free caches,
+/// and those that wait for one. Kept outside each turn so that a panic loses none of them.
+struct Batch<'t> {
+    running: Vec<Request<'t>>,
+    free: Vec<KvCache>,
+    waiting: VecDeque<Job>,
+    /// Caches the pool holds in all (`--max-batch`), each of `context` positions.
+    slots: usize,
+    context: usize,
+}
+
+/// Whether the scheduler goes on after a turn.
+enum Flow {
+    Continue,
+    Stop,
+}
+
+/// Runs turns until the queue is closed and drained; a turn that panics fails the requests
+/// in flight and the next turn starts with a whole pool of caches.
+fn supervise(
     model: &Transformer,
     tokenizer: &Tokenizer,
-    mut free: Vec<KvCache>,
-    waiting: &Receiver<Job>,
-    cancel: &AtomicBool,
-    stats: &Stats,
+    caches: Vec<KvCache>,
+    inbox: &Receiver<Job>,
+    settings: &Settings,
 ) {
-    let eos = model.config().eos_token_ids.clone();
-    let mut running: Vec<Sequence> = Vec::with_capacity(free.len());
+    let mut batch = Batch {
+        running: Vec::with_capacity(caches.len()),
+        slots: caches.len(),
+        context: caches.first().map_or(0, KvCache::capacity),
+        free: caches,
+        waiting: VecDeque::new(),
+    };
+    let mut fault = fault::Injector::from_env();
     loop {
-        // 1. Join: waiting requests take free caches; with nothing running, wait for one.
-        while let Some(cache) = free.pop() {
-            let job = match running.is_empty() {
-                true => waiting.recv().ok(),
-                false => waiting.try_recv().ok(),
-            };
-            match job {
-                Some(job) => running.push(Sequence::new(job, cache, tokenizer)),
-                None => {
-                    free.push(cache);
+        let turn = catch_unwind(AssertUnwindSafe(|| {
+            turn(model, tokenizer, &mut batch, inbox, settings, &mut fault)
+        }));
+        match turn {
+            Ok(Flow::Continue) => {}
+            Ok(Flow::Stop) => return,
+            Err(_) => {
+                let n = batch.recover(model);
+                let restarts = settings.stats.restarts.fetch_add(1, Ordering::Relaxed) + 1;
+                eprintln!(
+                    "scheduler: internal error (the panic above): {n} running requests failed \
+                     with 500; scheduler restarted ({restarts} restarts so far)"
+                );
+            }
+        }
+    }
+}
+
+/// The message of the requests a scheduler panic ended.
+const PANICKED: &str = "internal error in the scheduler (see the server's log)";
+
+impl Batch<'_> {
+    /// After a panic: fails the running requests, and refills the pool with fresh caches for
+    /// any that were lost with a request the panic dropped. Returns the requests failed.
+    fn recover(&mut self, model: &Transformer) -> usize {
+        let failed = self.running.len();
+        for req in self.running.drain(..) {
+            self.free.push(req.fail(PANICKED));
+        }
+        let (cfg, dtype, device) = (model.config(), model.dtype(), model.device());
+        while self.free.len() < self.slots {
+            match KvCache::new(cfg, self.context, dtype, device) {
+                Ok(cache) => self.free.push(cache),
+                Err(e) => {
+                    eprintln!("scheduler: cannot replace a lost cache: {e}");
                     break;
                 }
             }
         }
-        if running.is_empty() {
-            return; // every sender is gone: the server has shut down
-        }
-        // 2. Leave: clients that went away, or everyone once the shutdown cancels.
-        let cancelled = cancel.load(Ordering::Relaxed);
-        for seq in running.extract_if(.., |s| cancelled || s.abandoned()) {
-            free.push(seq.end());
-        }
-        if running.is_empty() {
-            stats.running.store(0, Ordering::Relaxed);
-            continue; // a step needs at least one sequence
-        }
-        // 3. One step. A model error or a panic fails this step's requests, not the server.
-        let stepped = catch_unwind(AssertUnwindSafe(|| step(model, &mut running, &eos, stats)));
-        let failure = match stepped {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(format!("the model step failed: {e}")),
-            Err(_) => Some("internal error in the model step (see the server's log)".into()),
-        };
-        if let Some(message) = failure {
-            for seq in running.drain(..) {
-                free.push(seq.fail(&message));
-            }
-        }
-        // 4. Leave: sequences that ended.
-        for seq in running.extract_if(.., |s| s.outcome.is_some()) {
-            free.push(seq.end());
-        }
-        stats.running.store(running.len(), Ordering::Relaxed);
+        failed
     }
 }
 
-/// Feeds every running sequence (a decode token, or the next chunk of its prompt within
-/// [`PREFILL_PER_STEP`]) in one batched forward, then samples a token for each whose prompt
-/// is now all in its cache.
-fn step(model: &Transformer, running: &mut [Sequence], eos: &[u32], stats: &Stats) -> Result<()> {
+/// One turn: take in new requests, drop those that waited too long or lost their client,
+/// admit what fits, run one step, let ended requests leave.
+fn turn<'t>(
+    model: &Transformer,
+    tokenizer: &'t Tokenizer,
+    b: &mut Batch<'t>,
+    inbox: &Receiver<Job>,
+    s: &Settings,
+    fault: &mut fault::Injector,
+) -> Flow {
+    let waiting = &s.stats.waiting;
+    // 1. Take in: with nothing to do, wait for a request; the queue closed means shutdown.
+    if b.running.is_empty() && b.waiting.is_empty() {
+        match inbox.recv() {
+            Ok(job) => b.waiting.push_back(job),
+            Err(_) => return Flow::Stop,
+        }
+    }
+    b.waiting.extend(inbox.try_iter());
+    // 2. Waiting requests that lost their client, waited too long, or meet the shutdown.
+    let cancelled = s.cancel.load(Ordering::Relaxed);
+    b.waiting.retain(|job| {
+        let reply = if cancelled {
+            Event::Cancelled
+        } else if job.abandoned() {
+            return false_after(waiting);
+        } else if job.queued.elapsed() > s.request_timeout {
+            Event::TimedOut
+        } else {
+            return true;
+        };
+        let _ = job.events.send(reply);
+        false_after(waiting)
+    });
+    // 3. Join: waiting requests take free caches, first come first served.
+    while !b.free.is_empty() && !b.waiting.is_empty() {
+        let (Some(job), Some(cache)) = (b.waiting.pop_front(), b.free.pop()) else {
+            break;
+        };
+        waiting.fetch_sub(1, Ordering::AcqRel);
+        match Request::start(job, cache, model, tokenizer) {
+            Ok(req) => b.running.push(req),
+            Err(cache) => b.free.push(cache),
+        }
+        fault.at(fault::Point::Admit);
+    }
+    // 4. Leave: clients that went away, or everyone once the shutdown cancels.
+    for req in b.running.extract_if(.., |r| cancelled || r.abandoned()) {
+        b.free.push(req.end());
+    }
+    if b.running.is_empty() {
+        s.stats.running.store(0, Ordering::Relaxed);
+        return Flow::Continue; // a step needs at least one request
+    }
+    // 5. One step. A model error fails this step's requests, not the server.
+    if let Err(e) = step(model, &mut b.running, &s.stats, fault) {
+        let message = format!("the model step failed: {e}");
+        for req in b.running.drain(..) {
+            b.free.push(req.fail(&message));
+        }
+    }
+    // 6. Leave: requests that ended.
+    for req in b.running.extract_if(.., |r| r.done()) {
+        b.free.push(req.end());
+    }
+    s.stats.running.store(b.running.len(), Ordering::Relaxed);
+    Flow::Continue
+}
+
+/// Counts a request out of the queue; `false`, for `retain`, to drop it.
+fn false_after(waiting: &AtomicUsize) -> bool {
+    waiting.fetch_sub(1, Ordering::AcqRel);
+    false
+}
+
+/// Feeds every running request (a decode token, or the next chunk of its prompt within
+/// [`PREFILL_PER_STEP`]) in one batched forward, then lets each take its logits.
+fn step(
+    model: &Transformer,
+    running: &mut [Request],
+    stats: &Stats,
+    fault: &mut fault::Injector,
+) -> Result<()> {
     let mut budget = PREFILL_PER_STEP;
     let mut fed = Vec::with_capacity(running.len());
-    let mut feeds = Vec::with_capacity(running.len());
-    for (i, seq) in running.iter_mut().enumerate() {
-        let Some(range) = seq.pending(budget) else {
+    let mut feeds: Vec<Feed> = Vec::with_capacity(running.len());
+    for (i, req) in running.iter_mut().enumerate() {
+        let prefilling = req.seq.prefilling();
+        let Some(feed) = req.seq.feed(budget) else {
             continue;
         };
-        if seq.prefilling() {
-            budget -= range.len();
+        if prefilling {
+            budget -= feed.ids.len();
         }
         fed.push(i);
-        feeds.push(Feed {
-            ids: &seq.history[range],
-            cache: &mut seq.cache,
-        });
+        feeds.push(feed);
     }
     stats
         .largest_batch
         .fetch_max(feeds.len(), Ordering::Relaxed);
+    fault.at(fault::Point::Step);
     let logits = model.next_logits_batch(&mut feeds)?;
     for (i, logits) in fed.into_iter().zip(logits) {
-        let seq = &mut running[i];
-        // A prompt fed only in part: its last position's logits predict nothing yet.
-        if !seq.prefilling() {
-            seq.advance(&logits, eos);
-        }
+        running[i].accept(&logits);
     }
     Ok(())
+}
+
+/// Faults injected on purpose, in debug builds only, so that tests can prove the scheduler
+/// survives them: `TINY_DECODER_FAULT=admit` panics once right after a request is admitted
+/// (outside a step), `step` panics once inside a step, `slow` makes every step take at
+/// least 20 ms (so a test can keep the batch busy). Release builds read no variable.
+mod fault {
+    use std::time::Duration;
+
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+    pub enum Point {
+        Admit,
+        Step,
+    }
+
+    #[derive(Default)]
+    pub struct Injector {
+        /// The point that panics next time it is reached.
+        armed: Option<Point>,
+        /// Sleep at every step.
+        slow: bool,
+    }
+
+    impl Injector {
+        pub fn from_env() -> Self {
+            if !cfg!(debug_assertions) {
+                return Self::default();
+            }
+            let fault = std::env::var("TINY_DECODER_FAULT").unwrap_or_default();
+            let armed = match fault.as_str() {
+                "admit" => Some(Point::Admit),
+                "step" => Some(Point::Step),
+                _ => None,
+            };
+            let slow = fault == "slow";
+            Self { armed, slow }
+        }
+
+        /// Panics the first time `point` is reached when armed for it.
+        pub fn at(&mut self, point: Point) {
+            if self.slow && point == Point::Step {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if self.armed == Some(point) {
+                self.armed = None;
+                panic!("TINY_DECODER_FAULT={point:?}: injected scheduler fault");
+            }
+        }
+    }
 }

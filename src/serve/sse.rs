@@ -3,8 +3,8 @@
 //! request asked), and `data: [DONE]`. Dropping the stream (the client closed the connection)
 //! drops the request's receiver, which the scheduler notices at its next step.
 
-use super::openai::{finish_reason, ApiError, Reply};
-use super::scheduler::Event;
+use super::openai::{finish_reason, ApiError, Reply, STOPPED};
+use super::request::Event;
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
@@ -13,13 +13,20 @@ use serde_json::Value;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-pub fn response(reply: Reply, events: UnboundedReceiver<Event>, include_usage: bool) -> Response {
+pub fn response(
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+    include_usage: bool,
+    timeout: Duration,
+) -> Response {
     let chunks = Chunks {
         reply,
         events,
         include_usage,
+        timeout,
         opened: false,
         ended: false,
     };
@@ -35,6 +42,8 @@ struct Chunks {
     reply: Reply,
     events: UnboundedReceiver<Event>,
     include_usage: bool,
+    /// `--request-timeout`, for the message of a request that timed out.
+    timeout: Duration,
     /// Whether chat's opening chunk (the assistant's role) was sent.
     opened: bool,
     /// Whether `[DONE]` was sent.
@@ -62,19 +71,15 @@ impl Chunks {
                 out
             }
             // An error after the headers went out: OpenAI's clients raise it from the body.
-            Some(Event::Failed(m)) => data(&ApiError::internal(m).body()),
-            Some(Event::Cancelled) => data(&ApiError::unavailable(SHUTDOWN).body()),
+            // Admission came before the stream; anything else ends it with its error.
+            Some(Event::Admitted) => return String::new(),
+            Some(e) => data(&ApiError::ending(e, self.timeout).body()),
             None => data(&ApiError::internal(STOPPED).body()),
         };
         self.ended = true;
         end + DONE
     }
 }
-
-/// The message of a request the shutdown cancelled.
-pub const SHUTDOWN: &str = "the server is shutting down";
-/// The message of a request whose scheduler went away without ending it (a bug).
-pub const STOPPED: &str = "the scheduler stopped before this request ended";
 
 impl Stream for Chunks {
     type Item = Result<Bytes, Infallible>;

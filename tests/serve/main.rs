@@ -272,3 +272,4 @@ fn a_full_queue_answers_429() {
 }
 
 mod errors;
+mod faults;

@@ -1,0 +1,178 @@
+//! One request: what a handler hands the scheduler ([`Job`]), what the scheduler tells the
+//! handler back ([`Event`]), and the request while it runs ([`Request`]): a
+//! [`generate::Sequence`] that owns one of the scheduler's caches, plus the channel its text
+//! goes out on. The sequence decides when it ends, as in `generate`; this file only reports.
+
+use crate::generate::{self, Options, StopReason};
+use crate::kv_cache::KvCache;
+use crate::model::Transformer;
+use crate::sampling::Sampler;
+use std::time::Instant;
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A request, tokenized and checked by its handler.
+pub struct Job {
+    /// Not empty; with `max_tokens` it fits the caches' capacity.
+    pub prompt: Vec<u32>,
+    /// At least 1.
+    pub max_tokens: usize,
+    /// Non-empty stop strings.
+    pub stop: Vec<String>,
+    /// Generate past the model's EOS ids, up to `max_tokens`.
+    pub ignore_eos: bool,
+    pub sampler: Sampler,
+    /// Where the request's text and end go; dropped by the handler when its client leaves.
+    pub events: UnboundedSender<Event>,
+    /// When the handler queued it: `--request-timeout` counts from here until it is admitted.
+    pub queued: Instant,
+}
+
+impl Job {
+    /// Whether the client went away (its receiver dropped: a closed connection).
+    pub fn abandoned(&self) -> bool {
+        self.events.is_closed()
+    }
+}
+
+/// What the scheduler tells a request's handler.
+pub enum Event {
+    /// The request took a cache and joins the batch at the next step.
+    Admitted,
+    /// Text that became complete (none of it part of a stop string).
+    Text(String),
+    /// The end, with the whole text and the counts.
+    Done(Finish),
+    /// The request failed: its step did, or the scheduler (a 500).
+    Failed(String),
+    /// It waited longer than `--request-timeout` for a cache (a 408).
+    TimedOut,
+    /// The server's shutdown ended the request before it was done (a 503).
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub reason: StopReason,
+    /// The generated ids decoded at once, cut at the first stop string (as `generate`).
+    pub text: String,
+    pub prompt_tokens: usize,
+    /// Tokens generated, the EOS id excluded.
+    pub completion_tokens: usize,
+}
+
+/// A request while it runs in the scheduler.
+pub struct Request<'t> {
+    pub seq: generate::Sequence<'t, KvCache, Sampler>,
+    events: UnboundedSender<Event>,
+    /// Set when its text could not be decoded: a 500 for this request alone.
+    failure: Option<String>,
+    started: Instant,
+}
+
+impl<'t> Request<'t> {
+    /// Starts `job` in `cache` (reset first); gives the cache back when the prompt does not
+    /// fit it (the handler checked, so this is a guard), having answered the request.
+    pub fn start(
+        job: Job,
+        mut cache: KvCache,
+        model: &Transformer,
+        tokenizer: &'t Tokenizer,
+    ) -> Result<Self, KvCache> {
+        cache.reset();
+        if let Err(e) = generate::check_fits(model, cache.capacity(), job.prompt.len()) {
+            let _ = job.events.send(Event::Failed(e.to_string()));
+            return Err(cache);
+        }
+        let opts = Options {
+            max_new_tokens: job.max_tokens,
+            stop: &job.stop,
+            interrupt: None,
+            ignore_eos: job.ignore_eos,
+        };
+        let seq =
+            generate::Sequence::start(model, tokenizer, cache, &job.prompt, opts, job.sampler);
+        let _ = job.events.send(Event::Admitted);
+        Ok(Self {
+            seq,
+            events: job.events,
+            failure: None,
+            started: Instant::now(),
+        })
+    }
+
+    /// Whether the client went away (its receiver dropped: a closed connection).
+    pub fn abandoned(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Whether it ended (or failed) and should leave the batch.
+    pub fn done(&self) -> bool {
+        self.seq.ended() || self.failure.is_some()
+    }
+
+    /// Takes the logits of the step that fed it: samples, streams, and maybe ends.
+    pub fn accept(&mut self, logits: &[f32]) {
+        let events = &self.events;
+        let mut send = |text: &str| {
+            if !text.is_empty() {
+                // A closed receiver is noticed at the next step.
+                let _ = events.send(Event::Text(text.to_string()));
+            }
+        };
+        if let Err(e) = self.seq.accept(logits, &mut send) {
+            self.failure = Some(e.to_string());
+        }
+    }
+
+    /// Sends the end of the request (the final reply, or its error); returns the cache for
+    /// reuse. A request that has not ended lost its client, or the shutdown cancelled it.
+    pub fn end(self) -> KvCache {
+        if let Some(m) = &self.failure {
+            let m = m.clone();
+            return self.fail(&m);
+        }
+        if !self.seq.ended() {
+            if self.abandoned() {
+                eprintln!(
+                    "request: the client went away after {} prompt + {} completion tokens: \
+                     dropped, its cache is free",
+                    self.seq.prompt_len(),
+                    self.seq.generated().len()
+                );
+            } else {
+                let _ = self.events.send(Event::Cancelled);
+            }
+            return self.seq.into_cache();
+        }
+        match self.seq.generation() {
+            Ok(g) => {
+                let finish = Finish {
+                    reason: g.stop_reason,
+                    text: g.text,
+                    prompt_tokens: g.prompt_token_ids.len(),
+                    completion_tokens: g.token_ids.len(),
+                };
+                eprintln!(
+                    "request: {} prompt + {} completion tokens ({}) in {:.2} s",
+                    finish.prompt_tokens,
+                    finish.completion_tokens,
+                    finish.reason.as_str(),
+                    self.started.elapsed().as_secs_f64()
+                );
+                let _ = self.events.send(Event::Done(finish));
+            }
+            Err(e) => {
+                let _ = self.events.send(Event::Failed(e.to_string()));
+            }
+        }
+        self.seq.into_cache()
+    }
+
+    /// Ends the request with an error (500 before a stream starts, an error event in one);
+    /// returns the cache for reuse.
+    pub fn fail(self, message: &str) -> KvCache {
+        let _ = self.events.send(Event::Failed(message.to_string()));
+        self.seq.into_cache()
+    }
+}

@@ -1,0 +1,90 @@
+//! What the server survives: a panic in its scheduler thread, inside a model step or outside
+//! one, fails the requests in flight with 500 and the next request is served; a request that
+//! waits longer than `--request-timeout` for a cache is answered 408 and leaves the queue.
+//! The faults are injected through `TINY_DECODER_FAULT`, which only debug builds read.
+
+use super::harness::Server;
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
+
+fn survives(fault: &str) {
+    let server = Server::start_with_env(&["--max-batch", "2"], &[("TINY_DECODER_FAULT", fault)]);
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 500, "{fault}: {reply}");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("internal error"), "{fault}: {reply}");
+    assert!(
+        server.wait_for_log("scheduler restarted"),
+        "{fault}: {}",
+        server.log()
+    );
+    // The scheduler runs again, with its whole pool of caches.
+    for _ in 0..3 {
+        let (status, reply) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{fault}: {reply}\n{}", server.log());
+    }
+    let (status, health) = server.get("/health");
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(health["status"], "ok", "{health}");
+    assert_eq!(health["scheduler_restarts"], 1, "{health}");
+}
+
+#[test]
+fn a_scheduler_panic_outside_a_step_fails_its_requests_with_500_and_serving_goes_on() {
+    survives("admit");
+}
+
+#[test]
+fn a_scheduler_panic_inside_a_step_fails_its_requests_with_500_and_serving_goes_on() {
+    survives("step");
+}
+
+#[test]
+fn a_request_that_waits_past_the_timeout_is_answered_408_and_leaves_the_queue() {
+    // One cache, held by a stream of 200 steps of at least 20 ms each (`slow`).
+    let args = [
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--request-timeout",
+        "0.5",
+    ];
+    let server = Server::start_with_env(&args, &[("TINY_DECODER_FAULT", "slow")]);
+    let long = json!({"prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": true,
+                      "temperature": 0, "stream": true});
+    let mut running = BufReader::new(server.open_stream("/v1/completions", &long));
+    let mut first = String::new();
+    running.read_line(&mut first).unwrap();
+    assert!(first.starts_with("data: {"), "{first:?}");
+
+    // Whole and streamed, a waiting request gets 408 (not a stream) after about 0.5 s.
+    for stream in [false, true] {
+        let body = json!({"prompt": "JULIET:", "max_tokens": 4, "stream": stream});
+        let start = Instant::now();
+        let (status, reply) = server.post("/v1/completions", &body);
+        let waited = start.elapsed();
+        assert_eq!(status, 408, "stream {stream}: {reply}");
+        assert_eq!(reply["error"]["code"], "request_timeout", "{reply}");
+        assert!(
+            waited >= Duration::from_millis(500) && waited < Duration::from_secs(3),
+            "stream {stream}: answered after {waited:?}"
+        );
+        // It left the queue: the one place is free again for the next request.
+        let (_, health) = server.get("/health");
+        assert_eq!(health["waiting"], 0, "{health}");
+    }
+    // The running stream was not disturbed: it ends with its 200 tokens and [DONE].
+    let rest: Vec<String> = running.lines().map(|l| l.unwrap()).collect();
+    let last = rest.iter().rev().find(|l| !l.is_empty());
+    assert_eq!(last.map(String::as_str), Some("data: [DONE]"));
+    assert!(
+        rest.iter()
+            .any(|l| l.contains("\"finish_reason\":\"length\"")),
+        "{rest:?}"
+    );
+    let (status, reply) = server.post("/v1/completions", &json!({"prompt": "A", "max_tokens": 2}));
+    assert_eq!(status, 200, "{reply}");
+}
