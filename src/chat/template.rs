@@ -8,7 +8,7 @@
 //! same way; what minijinja does not do like jinja2 is bridged here:
 //! - Python's str/dict/list methods (`.strip()`, `.items()`, ...): minijinja-contrib's
 //!   `pycompat` callback.
-//! - `tojson`: Python's `json.dumps(ensure_ascii=False)` text ([`py::tojson`]), not
+//! - `tojson`: Python's `json.dumps(ensure_ascii=False)` text (`py::tojson`), not
 //!   minijinja's filter, which HTML-escapes and spaces differently.
 //! - `{% generation %}..{% endgeneration %}` (transformers' assistant-mask tag, which only
 //!   passes its body through when rendering): rewritten to `{% with %}..{% endwith %}`, a
@@ -18,7 +18,7 @@
 //!
 //! Still different (found by rendering probes through transformers' own environment; none
 //! is used by the templates in tests/data/chat_templates): `strftime_now` formats the UTC
-//! time (transformers: local time) and knows only the directives in [`py::strftime`];
+//! time (transformers: local time) and knows only the directives in `py::strftime`;
 //! `tojson` takes keyword arguments only; Python's `'%s' % x`, a few rarer str methods and
 //! filters (`center`, `rsplit`, `wordcount`) are missing; floats print without exponents
 //! (`1e+16` as `10000000000000000.0`); what the sandbox refuses with a SecurityError

@@ -18,7 +18,7 @@ pub struct Moments {
     pub tokens: usize,
 }
 
-/// Runs `ids` through `model` in windows of [`WINDOW`] tokens and averages the moments.
+/// Runs `ids` through `model` in windows of `WINDOW` tokens and averages the moments.
 /// Needs at least `hidden_size` tokens, or the moments are singular.
 pub fn measure(
     model: &Transformer,

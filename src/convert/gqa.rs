@@ -30,7 +30,7 @@ pub struct Projections {
     pub o: Tensor,
 }
 
-/// The shape of the heads: `d` dims each, RoPE pairs `(a, b)` by [`Heads::pair`].
+/// The shape of the heads: `d` dims each, RoPE pairs `(a, b)` by `Heads::pair`.
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
     pub d: usize,

@@ -6,7 +6,7 @@
 //!
 //! Methods that fit to activations first run the original model over a calibration text
 //! ([`calibrate`]); [`DEFAULT_CALIBRATION`] ships with the program. `convert` writes the
-//! same rewritten tensors out as a Hugging Face directory ([`write`]).
+//! same rewritten tensors out as a Hugging Face directory ([`write`](fn@write)).
 
 pub mod calibrate;
 pub mod gqa;
@@ -90,7 +90,7 @@ pub enum Stage {
 
 /// A conversion done: the plan, and every converted layer's attention tensors.
 /// [`Self::rewrite`] is the one place converted tensors come from, whether they are loaded
-/// ([`load`]) or written out ([`write`]).
+/// ([`load`]) or written out ([`write`](fn@write)).
 pub struct Conversion {
     plan: Plan,
     replaced: HashMap<String, Tensor>,

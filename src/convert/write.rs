@@ -33,7 +33,7 @@ const COPIED: [&str; 8] = [
     "merges.txt",
 ];
 
-/// What [`write`] wrote.
+/// What [`write`](fn@write) wrote.
 #[derive(Debug, Clone)]
 pub struct Written {
     pub report: Report,

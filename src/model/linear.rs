@@ -3,8 +3,8 @@
 //! for the rows of a prompt chunk ([`prefill`] for many rows on AVX2).
 //!
 //! candle's general GEMM leaves most of the memory bandwidth unused at M = 1, and at small M
-//! runs AVX2 code; [`matvec`] is an explicit-SIMD product split over a small persistent pool
-//! ([`matvec::MatVec`]). Every other case (CUDA, dtypes other than f32/bf16, a non-contiguous
+//! runs AVX2 code; [`matvec`](mod@matvec) is an explicit-SIMD product split over a small
+//! persistent pool ([`matvec::MatVec`]). Every other case (CUDA, dtypes other than f32/bf16, a non-contiguous
 //! weight, several rows on a CPU with neither AVX-512 nor AVX2, any row without AVX2) is
 //! candle's matmul exactly as `candle_nn::Linear` runs it ([`route`]).
 
@@ -207,7 +207,7 @@ pub enum Route {
     Candle,
 }
 
-/// Where `x · wᵀ` goes when the kernels run `isa` ([`Isa::current`] in [`matvec`]).
+/// Where `x · wᵀ` goes when the kernels run `isa` ([`Isa::current`] in [`matvec`](mod@matvec)).
 pub fn route(isa: Isa, x: &Tensor, w: &Tensor) -> Route {
     let k = x.dims().last().copied().unwrap_or(0);
     let kernel = x.device().is_cpu()

@@ -1,9 +1,9 @@
 //! `tiny-decoder serve`: an OpenAI-compatible HTTP server with continuous batching.
 //!
-//! [`routes`] checks requests and answers in OpenAI's shapes ([`openai`]), whole or streamed
-//! as server-sent events ([`sse`]). One [`scheduler`] thread owns the model and the
+//! `routes` checks requests and answers in OpenAI's shapes (`openai`), whole or streamed
+//! as server-sent events (`sse`). One `scheduler` thread owns the model and the
 //! `--max-batch` KV caches, allocated here once; every request runs in one of them as a
-//! [`request`], batched with the others at each step. tokio serves HTTP on two threads of
+//! `request`, batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
 mod openai;

@@ -11,7 +11,7 @@
 //! worse there than it began is dropped.
 //!
 //! The fit needs gradients, which candle's fused kernels (RoPE, softmax, the decode op) do
-//! not give, so attention is written once more, for fitting only, in [`attend`].
+//! not give, so attention is written once more, for fitting only, in `attend`.
 //! MLA conversions are not healed (their split query and absorbed layout would need a form
 //! of their own).
 

@@ -1,7 +1,7 @@
 //! GGUF files (llama.cpp's format) as input: `--model FILE.gguf` for the Llama and Qwen2
 //! architectures. One file holds what a Hugging Face directory spreads over several: the
-//! config is rebuilt from its metadata ([`config`]), the tokenizer from its vocabulary
-//! ([`tokenizer`]), and its tensors are read under Hugging Face names ([`tensors`]), so the
+//! config is rebuilt from its metadata (`config`), the tokenizer from its vocabulary
+//! (`tokenizer`), and its tensors are read under Hugging Face names (`tensors`), so the
 //! result is the same [`Loaded`] a directory gives.
 //!
 //! With `--dtype auto` (the default) the projections and the LM head stay in the file's

@@ -7,7 +7,7 @@
 //! in parallel ("flash decoding"): each block gives, for every query head of its K/V head, a
 //! running max, a sum of exponentials and an unnormalised sum of values, and the blocks are
 //! merged at the end. Scores use the [`simd`] matrix kernel (the group's query heads are the
-//! rows of x, the cached keys the rows of W); the value sum is [`accumulate`].
+//! rows of x, the cached keys the rows of W); the value sum is `accumulate`.
 
 use crate::model::linear::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
@@ -27,7 +27,7 @@ pub struct DecodeAttention {
 }
 
 /// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512, AVX2 + FMA or NEON,
-/// the sets [`accumulate`] has a vector form for. Elsewhere candle's ops stay.
+/// the sets `accumulate` has a vector form for. Elsewhere candle's ops stay.
 pub fn takes(q: &candle_core::Tensor) -> bool {
     q.device().is_cpu()
         && matches!(q.dtype(), DType::F32 | DType::BF16)

@@ -28,8 +28,8 @@
 //!
 //! [`by_gemm`] picks. Here the rows of `W` are split into chunks that the [`Pool`] runs in
 //! parallel, and a chunk goes through `gemm` single-threaded. f32 weights go to `gemm` in
-//! place. bf16 weights go one block of [`BLOCK_ROWS`] × [`BLOCK_K`] at a time, widened and
-//! transposed ([`widen`]) into a small per-thread f32 buffer that stays in L2: read from
+//! place. bf16 weights go one block of `BLOCK_ROWS` × `BLOCK_K` at a time, widened and
+//! transposed (`widen`) into a small per-thread f32 buffer that stays in L2: read from
 //! memory once, as bf16, the f32 copy never leaving the cache.
 
 mod widen;

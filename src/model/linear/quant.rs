@@ -7,7 +7,7 @@
 //! and high nibbles 16-31, as ggml does. Q4_1 (GGUF files) adds an f16 minimum `m` per block:
 //! `w = d · q + m` with q in 0..=15. Rows of x are quantized to Q8_0 (f32 scales) and each
 //! block's dot product is an integer one, scaled by `d_w · d_x` (plus `m_w` times the x
-//! block's sum for Q4_1) ([`simd`]: AVX2's `maddubs`, as llama.cpp; a scalar loop elsewhere).
+//! block's sum for Q4_1) (`simd`: AVX2's `maddubs`, as llama.cpp; a scalar loop elsewhere).
 //!
 //! Why not candle's `QMatMul`: it runs on its own spinning thread pool, which on a 2-core
 //! host fights ours and any other process; SmolLM2-135M Q8_0 decode spent 48% of its time

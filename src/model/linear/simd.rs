@@ -1,7 +1,7 @@
 //! Kernels for `y[m, r] = Σ_k x[m, k] · W[r, k]` over a slice of the rows of `W` (row-major,
 //! width `k`) and one or more rows of `x`, with f32 weights or bf16 weights (raw `u16` bits,
 //! widened to f32 in registers). Four instruction sets, chosen once at run time ([`Isa`],
-//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA (+ F16C) ([`x86`]),
+//! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA (+ F16C) (`x86`),
 //! NEON on aarch64 (`arm`), and a portable scalar loop, the tests' reference. Accumulation is
 //! always in f32. Weights are prefetched ahead of the loads; on AVX-512 and NEON (32
 //! registers) a tile of 4 weight rows × 4 rows of x stays in registers, so a prompt chunk
