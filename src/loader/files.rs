@@ -1,6 +1,6 @@
-//! A `--model` argument as files: a local directory's, or a hub repo's through the HF cache.
+//! A local checkpoint directory as files: config.json, the safetensors shards (one file, or
+//! those a `model.safetensors.index.json` names), the tokenizer and generation files.
 
-use super::hub;
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
@@ -17,22 +17,7 @@ pub struct ModelFiles {
     pub generation_config: Option<PathBuf>,
 }
 
-/// A local directory, or else a hub repo id (`owner/name`).
-pub fn resolve(model: &str) -> Result<ModelFiles> {
-    let path = Path::new(model);
-    if path.is_dir() {
-        return local_files(path);
-    }
-    let looks_like_repo = model.split('/').count() == 2
-        && !model.starts_with(['.', '/', '~'])
-        && !model.contains(char::is_whitespace);
-    if path.exists() || !looks_like_repo {
-        return Err(Error::file(path, "no such model directory (expected a directory with config.json, or a hub id like owner/name)"));
-    }
-    hub::files(model)
-}
-
-fn local_files(dir: &Path) -> Result<ModelFiles> {
+pub fn local_files(dir: &Path) -> Result<ModelFiles> {
     let config = dir.join("config.json");
     if !config.is_file() {
         return Err(Error::file(&config, "missing config.json"));

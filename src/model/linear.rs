@@ -11,12 +11,14 @@
 pub mod matvec;
 pub mod prefill;
 pub mod quant;
+mod quantizer;
 pub mod simd;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use quant::{Format, QWeight};
+pub use quantizer::{is_head, quantize_all, Blocks, Quantizer};
 use simd::Isa;
 use std::sync::Arc;
 
@@ -28,47 +30,6 @@ pub struct Linear {
     /// The weight's name in the checkpoint, when loaded by name: how a [`Quantizer`] finds
     /// its blocks.
     name: Option<String>,
-}
-
-/// How a projection is stored in blocks: quantized from its dense weight as it loads
-/// (`--dtype q8_0|q4_0`), or the blocks a file already holds (a GGUF's).
-// On aarch64 candle's QTensor is 248 bytes (clippy's limit is 200): not worth a Box, as a
-// `Blocks` lives only while one projection loads.
-#[allow(clippy::large_enum_variant)]
-pub enum Blocks {
-    Made(GgmlDType),
-    Stored(QTensor),
-}
-
-/// The one door by which block formats enter the model: for each projection the model loads
-/// (by its checkpoint name, when it has one), which blocks replace its dense weight.
-pub trait Quantizer {
-    /// The blocks for the weight `name`, or `None` to keep it dense.
-    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>>;
-
-    /// The format most of the projections end up in: what `--json` reports as `dtype`.
-    fn label(&self) -> GgmlDType;
-}
-
-/// Whether `name` is the LM head's weight (or the embedding standing in for a tied one).
-pub fn is_head(name: &str) -> bool {
-    name == "lm_head.weight" || name == "model.embed_tokens.weight"
-}
-
-/// `--dtype q8_0|q4_0`: every projection quantized to this format as it loads, and the LM
-/// head to Q8_0 whatever it is (llama.cpp keeps the output matrix at 6 bits or more: at
-/// 4 bits it costs the most quality per byte saved).
-impl Quantizer for GgmlDType {
-    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>> {
-        Ok(Some(match name {
-            Some(name) if is_head(name) => Blocks::Made(GgmlDType::Q8_0),
-            _ => Blocks::Made(*self),
-        }))
-    }
-
-    fn label(&self) -> GgmlDType {
-        *self
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -256,6 +217,16 @@ fn candle_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `y = x · Wᵀ` for block-format weights: a prompt-sized x through `gemm` on dequantized
+/// blocks (`prefill`), fewer rows through the integer kernels (`quant`).
+pub fn blocks_product(q: &QWeight, x: &[f32], y: &mut [f32]) {
+    let m = x.len() / q.cols.max(1);
+    match prefill::by_gemm(m, prefill::Weights::Blocks(q)) {
+        true => prefill::product(x, q.cols, prefill::Weights::Blocks(q), y),
+        false => q.product(x, y),
+    }
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
@@ -272,7 +243,7 @@ impl Module for Linear {
                 let mut dims = x.dims().to_vec();
                 let x = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 let mut y = vec![0f32; x.len() / q.cols * q.rows];
-                q.product(&x, &mut y);
+                blocks_product(q, &x, &mut y);
                 if let Some(last) = dims.last_mut() {
                     *last = q.rows;
                 }

@@ -8,6 +8,7 @@ pub mod mlp;
 pub mod moe;
 pub mod pool;
 pub mod rope;
+pub mod swiglu;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};

@@ -1,7 +1,7 @@
 //! DeepSeek's mixture of experts: a router picks `num_experts_per_tok` routed experts per
 //! token, each expert runs only on the tokens routed to it, and shared experts run on all.
 
-use super::mlp::SwiGlu;
+use super::swiglu::SwiGlu;
 use crate::config::{MoeConfig, Router};
 use crate::model::linear::Quantizer;
 use candle_core::{DType, Module, Result, Tensor};

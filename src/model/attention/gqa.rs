@@ -4,9 +4,9 @@
 use super::{join, sdpa, Span};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, Linear};
-use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor};

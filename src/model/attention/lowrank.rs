@@ -11,8 +11,8 @@
 use super::{decode, join, sdpa, Span};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::quantize_all;
 use crate::model::linear::{linear_b, Linear, Quantizer};
-use crate::model::mlp::quantize_all;
 use crate::model::rope::{Rope, Rotation};
 use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor};

@@ -14,9 +14,9 @@
 use super::{attend, join, sdpa, Span};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
+use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
-use crate::model::mlp::quantize_all;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor, D};

@@ -16,7 +16,6 @@
 
 mod simd;
 
-use super::prefill::{self, Weights};
 use crate::model::pool::Pool;
 use half::f16;
 
@@ -228,7 +227,8 @@ impl QWeight {
         }
     }
 
-    /// `y (M, rows) = x (M, cols) · Wᵀ`, the weight rows split over the pool.
+    /// `y (M, rows) = x (M, cols) · Wᵀ` on the integer kernels, the weight rows split over
+    /// the pool (prompt-sized products go to `gemm` instead: `linear::blocks_product`).
     pub fn product(&self, x: &[f32], y: &mut [f32]) {
         let m = x.len() / self.cols;
         assert!(
@@ -239,9 +239,6 @@ impl QWeight {
             self.rows,
             self.cols
         );
-        if prefill::by_gemm(m, Weights::Blocks(self)) {
-            return prefill::product(x, self.cols, Weights::Blocks(self), y);
-        }
         let xq = QRows::quantize(x, self.cols);
         let pool = Pool::global();
         let rows = self.rows.div_ceil(pool.threads() * 4).max(1);

@@ -1,0 +1,60 @@
+//! The one door by which block formats enter the model ([`Quantizer`]): for each projection,
+//! the blocks that replace its dense weight, made at load (`--dtype q8_0|q4_0`) or read from
+//! a file (a GGUF's).
+
+use super::Linear;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Result;
+
+/// How a projection is stored in blocks: quantized from its dense weight as it loads
+/// (`--dtype q8_0|q4_0`), or the blocks a file already holds (a GGUF's).
+// On aarch64 candle's QTensor is 248 bytes (clippy's limit is 200): not worth a Box, as a
+// `Blocks` lives only while one projection loads.
+#[allow(clippy::large_enum_variant)]
+pub enum Blocks {
+    Made(GgmlDType),
+    Stored(QTensor),
+}
+
+/// The one door by which block formats enter the model: for each projection the model loads
+/// (by its checkpoint name, when it has one), which blocks replace its dense weight.
+pub trait Quantizer {
+    /// The blocks for the weight `name`, or `None` to keep it dense.
+    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>>;
+
+    /// The format most of the projections end up in: what `--json` reports as `dtype`.
+    fn label(&self) -> GgmlDType;
+}
+
+/// Whether `name` is the LM head's weight (or the embedding standing in for a tied one).
+pub fn is_head(name: &str) -> bool {
+    name == "lm_head.weight" || name == "model.embed_tokens.weight"
+}
+
+/// `--dtype q8_0|q4_0`: every projection quantized to this format as it loads, and the LM
+/// head to Q8_0 whatever it is (llama.cpp keeps the output matrix at 6 bits or more: at
+/// 4 bits it costs the most quality per byte saved).
+impl Quantizer for GgmlDType {
+    fn blocks(&self, name: Option<&str>) -> Result<Option<Blocks>> {
+        Ok(Some(match name {
+            Some(name) if is_head(name) => Blocks::Made(GgmlDType::Q8_0),
+            _ => Blocks::Made(*self),
+        }))
+    }
+
+    fn label(&self) -> GgmlDType {
+        *self
+    }
+}
+
+/// Quantizes each of `linears` whose rows are whole blocks; returns the bytes saved.
+pub fn quantize_all(linears: &mut [&mut Linear], q: &dyn Quantizer) -> Result<usize> {
+    let mut saved = 0;
+    for l in linears.iter_mut() {
+        let before = l.weight_bytes();
+        if l.quantize(q)? {
+            saved += before - l.weight_bytes();
+        }
+    }
+    Ok(saved)
+}
