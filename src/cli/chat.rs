@@ -12,8 +12,9 @@ use serde_json::json;
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::Ordering;
 use tiny_decoder::chat::Conversation;
+use tiny_decoder::config::GenerationConfig;
 use tiny_decoder::generate::Options;
-use tiny_decoder::loader::{bundled, GenerationConfig};
+use tiny_decoder::loader::bundled;
 use tiny_decoder::sampling::Sampler;
 
 /// The conversation's length unless `--context` says otherwise: llama.cpp's default, which

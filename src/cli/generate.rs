@@ -9,8 +9,9 @@ use serde_json::json;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tiny_decoder::chat::{self, Message};
+use tiny_decoder::config::GenerationConfig;
 use tiny_decoder::generate::{self, Generation, Options, StopReason};
-use tiny_decoder::loader::{bundled, GenerationConfig, Loaded, TextTokenizer};
+use tiny_decoder::loader::{bundled, Loaded, TextTokenizer};
 use tiny_decoder::sampling::{Sampler, SamplingParams};
 
 /// Set by the first Ctrl-C; generation stops at its next step.

@@ -4,6 +4,7 @@
 
 pub mod deepseek;
 mod family;
+mod generation;
 mod gqa;
 mod layout;
 mod rope;
@@ -12,6 +13,7 @@ use crate::error::{Error, Result};
 use candle_core::DType;
 pub use deepseek::{MlaConfig, MoeConfig, Router};
 pub use family::Family;
+pub use generation::GenerationConfig;
 pub use layout::{check_fits, CacheLayout};
 pub use rope::{HfRope, RopeConfig, RopeScaling, YarnScaling};
 use serde::Deserialize;

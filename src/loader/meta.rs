@@ -4,7 +4,7 @@
 //! `generation_config.json` (stop ids and sampling defaults). Read once at load and kept on
 //! [`super::Loaded`].
 
-use crate::config::TokenIds;
+use crate::config::GenerationConfig;
 use crate::error::{Error, Result};
 use serde::Deserialize;
 use std::path::Path;
@@ -95,23 +95,6 @@ impl TokenizerMeta {
             eos_token: hf.eos_token.map(SpecialToken::text),
             chat_template,
         })
-    }
-}
-
-/// generation_config.json: stop ids and the sampling its authors chose.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-pub struct GenerationConfig {
-    pub eos_token_id: Option<TokenIds>,
-    pub do_sample: Option<bool>,
-    pub temperature: Option<f64>,
-    pub top_k: Option<i64>,
-    pub top_p: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-}
-
-impl GenerationConfig {
-    pub fn read(path: Option<&Path>) -> Result<Self> {
-        path.map_or(Ok(Self::default()), read_json)
     }
 }
 

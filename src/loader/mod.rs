@@ -15,9 +15,10 @@ pub mod meta;
 mod source;
 mod weights;
 
+use crate::config::GenerationConfig;
 pub use dtype::{label as dtype_label, name as dtype_name, parse_device, DTypeArg};
 pub use files::ModelFiles;
-pub use meta::{GenerationConfig, TextTokenizer, TokenizerMeta};
+pub use meta::{TextTokenizer, TokenizerMeta};
 pub use source::{open, resolve, Rewrite, Source, Stored};
 
 use crate::config::{HfConfig, ModelConfig};

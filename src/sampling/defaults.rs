@@ -3,7 +3,7 @@
 //! given; it is reported so that a run can be repeated.
 
 use super::SamplingParams;
-use crate::loader::GenerationConfig;
+use crate::config::GenerationConfig;
 
 /// llama.cpp's defaults (`common/common.h`, `common_params_sampling`).
 pub const LLAMA_CPP: SamplingParams = SamplingParams {

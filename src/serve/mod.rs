@@ -6,7 +6,10 @@
 //! `request`, batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
+mod error;
+mod fault;
 mod openai;
+mod queue;
 mod request;
 mod routes;
 mod scheduler;
@@ -15,9 +18,10 @@ mod sse;
 pub use scheduler::PREFILL_PER_STEP;
 
 use crate::chat::ChatTemplate;
+use crate::config::GenerationConfig;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
-use crate::loader::{GenerationConfig, TextTokenizer};
+use crate::loader::TextTokenizer;
 use crate::model::Transformer;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -73,7 +77,7 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         opts.model_id, opts.max_batch, opts.context, opts.max_queue
     );
     let cancel = Arc::new(AtomicBool::new(false));
-    let stats = Arc::new(scheduler::Stats::default());
+    let stats = Arc::new(queue::Stats::default());
     let tokenizer = Arc::new(m.tokenizer.inner().clone());
     let settings = scheduler::Settings {
         max_queue: opts.max_queue,

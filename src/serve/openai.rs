@@ -1,14 +1,14 @@
 //! The OpenAI HTTP API's shapes: requests as its clients send them (fields we do not know
 //! are ignored, as OpenAI ignores them), replies and stream chunks as its clients parse them,
-//! and its error body `{"error": {"message", "type", "param", "code"}}`.
+//! and (in `error`) its error body.
 
-use super::request::{Event, Finish};
+use super::error::ApiError;
+use super::request::Finish;
+use crate::config::GenerationConfig;
 use crate::generate::StopReason;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use crate::sampling::{Requested, Sampler};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::time::Duration;
 
 /// The fields `/v1/completions` and `/v1/chat/completions` share.
 #[derive(Debug, Default, Deserialize)]
@@ -213,125 +213,86 @@ fn usage(f: &Finish) -> Value {
            "total_tokens": f.prompt_tokens + f.completion_tokens})
 }
 
-/// The message of a request the shutdown cancelled.
-pub const SHUTDOWN: &str = "the server is shutting down";
-/// The message of a request whose scheduler went away without ending it (a bug).
-pub const STOPPED: &str = "the scheduler stopped before this request ended";
-
-/// An error reply: its status, and the body OpenAI's clients read.
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, ...
-    pub kind: &'static str,
-    /// The request field at fault, if one is.
-    pub param: Option<&'static str>,
-    /// A machine-readable reason: `model_not_found`, `context_length_exceeded`, ...
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, message: String) -> Self {
-        Self {
-            status,
-            message,
-            kind,
-            param: None,
-            code: None,
+/// The checks a request's fields pass before it is queued (each failure a 400 naming the
+/// field).
+impl Params {
+    /// `n`, the stop strings, the token budget and the sampling fields; returns `max_tokens`
+    /// (absent: the rest of the context) and the sampler.
+    pub fn check(
+        &self,
+        prompt: &[u32],
+        context: usize,
+        generation: &GenerationConfig,
+    ) -> Result<(usize, Sampler), ApiError> {
+        let p = self;
+        if p.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_field(
+                "n",
+                "n must be 1: one choice per request",
+            ));
         }
-    }
-
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
-    /// 400: malformed JSON, a bad field, a prompt that does not fit.
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            message.into(),
-        )
-    }
-
-    /// 400 naming the field at fault (`param`).
-    pub fn bad_field(param: &'static str, message: impl Into<String>) -> Self {
-        let mut e = Self::bad_request(message);
-        e.param = Some(param);
-        e
-    }
-
-    pub fn unauthorized() -> Self {
-        let m = "missing or wrong API key: send the header `Authorization: Bearer KEY` with the \
-                 key the server was started with (--api-key or TINY_DECODER_API_KEY)";
-        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", m.into())
-            .with_code("invalid_api_key")
-    }
-
-    pub fn model_not_found(asked: &str, served: &str) -> Self {
-        let m = format!("the model {asked:?} does not exist: this server serves {served:?}");
-        let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m);
-        e.param = Some("model");
-        e.with_code("model_not_found")
-    }
-
-    pub fn not_found(path: &str) -> Self {
-        let m = format!("no route {path}: see /v1/models, /v1/completions, /v1/chat/completions");
-        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", m)
-    }
-
-    /// 429: the queue of waiting requests is full.
-    pub fn busy(max_queue: usize) -> Self {
-        let m = format!(
-            "the server is busy: {max_queue} requests are already waiting (--max-queue); retry later"
-        );
-        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", m).with_code("queue_full")
-    }
-
-    /// 500: the model step failed for this request.
-    pub fn internal(message: impl Into<String>) -> Self {
-        let status = StatusCode::INTERNAL_SERVER_ERROR;
-        Self::new(status, "server_error", message.into())
-    }
-
-    /// 503: the server is shutting down.
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        let status = StatusCode::SERVICE_UNAVAILABLE;
-        Self::new(status, "server_error", message.into())
-    }
-
-    /// 408: the request waited longer than `--request-timeout` for a cache.
-    pub fn timed_out(timeout: Duration) -> Self {
-        let m = format!(
-            "the request waited more than {} s for the model (--request-timeout): the server \
-             is overloaded; retry later",
-            timeout.as_secs_f64()
-        );
-        Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", m).with_code("request_timeout")
-    }
-
-    /// The error for an event that ends a request without a reply.
-    pub fn ending(event: Event, timeout: Duration) -> Self {
-        match event {
-            Event::Failed(m) => Self::internal(m),
-            Event::Cancelled => Self::unavailable(SHUTDOWN),
-            Event::TimedOut => Self::timed_out(timeout),
-            Event::Admitted | Event::Text(_) | Event::Done(_) => {
-                Self::internal("the scheduler answered out of order (a bug)")
+        if p.stops().iter().any(String::is_empty) {
+            return Err(ApiError::bad_field(
+                "stop",
+                "a stop string must not be empty",
+            ));
+        }
+        if prompt.is_empty() {
+            return Err(ApiError::bad_field(
+                "prompt",
+                "the prompt encodes to no tokens",
+            ));
+        }
+        let max_tokens = match p.max_tokens() {
+            Some(0) => {
+                return Err(ApiError::bad_field(
+                    "max_tokens",
+                    "max_tokens must be at least 1",
+                ))
             }
+            Some(m) => m,
+            None => context.saturating_sub(prompt.len()).max(1),
+        };
+        let total = prompt.len().saturating_add(max_tokens);
+        if total > context {
+            let m = format!(
+                "this model's maximum context length is {} tokens per request (--context), but {total} \
+                 were requested ({} in the prompt, {max_tokens} for the completion): shorten the \
+                 prompt or lower max_tokens",
+                context,
+                prompt.len()
+            );
+            return Err(ApiError::bad_request(m).with_code("context_length_exceeded"));
         }
+        Ok((max_tokens, p.sampler(generation)?))
     }
 
-    pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                         "code": self.code}})
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+    /// The sampler for the request's fields; one left out takes generation_config.json's value,
+    /// else llama.cpp's, as in `generate`. The seed is random unless given.
+    fn sampler(&self, generation: &GenerationConfig) -> Result<Sampler, ApiError> {
+        let p = self;
+        let bad = |field: &'static str, rule: &str, v: f32| {
+            Err(ApiError::bad_field(
+                field,
+                format!("{field} must be {rule}, got {v}"),
+            ))
+        };
+        match (p.temperature, p.top_p, p.min_p, p.repeat_penalty) {
+            (Some(t), ..) if t < 0.0 => return bad("temperature", ">= 0", t),
+            (_, Some(v), ..) if !(v > 0.0 && v <= 1.0) => return bad("top_p", "in (0, 1]", v),
+            (_, _, Some(v), _) if !(0.0..=1.0).contains(&v) => return bad("min_p", "in [0, 1]", v),
+            (.., Some(v)) if v <= 0.0 => return bad("repeat_penalty", "> 0", v),
+            _ => {}
+        }
+        let requested = Requested {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repeat_penalty: p.repeat_penalty,
+            seed: p.seed.map(|s| s as u64),
+        };
+        Sampler::new(&requested.resolve(generation))
+            .map_err(|e| ApiError::bad_request(e.to_string()))
     }
 }

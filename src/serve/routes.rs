@@ -3,15 +3,14 @@
 //! sampling as `generate` does, check that it fits the context (400), queue it (429 when
 //! full), then reply whole or as a stream.
 
-use super::openai::{
-    ApiError, ChatRequest, CompletionRequest, Params, Prompt, Reply, SHUTDOWN, STOPPED,
-};
+use super::error::{ApiError, SHUTDOWN, STOPPED};
+use super::openai::{ChatRequest, CompletionRequest, Params, Prompt, Reply};
+use super::queue::{Queue, Refused, Stats};
 use super::request::{Event, Job};
-use super::scheduler::{Queue, Refused, Stats};
 use super::sse;
 use crate::chat::{ChatTemplate, Message};
-use crate::loader::{GenerationConfig, TextTokenizer};
-use crate::sampling::{Requested, Sampler};
+use crate::config::GenerationConfig;
+use crate::loader::TextTokenizer;
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
@@ -209,7 +208,7 @@ async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
 
 /// Queues the request and replies: the whole text, or a stream of it.
 async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer {
-    let (max_tokens, sampler) = check(s, &prompt, p)?;
+    let (max_tokens, sampler) = p.check(&prompt, s.context, &s.generation)?;
     let (events, receiver) = unbounded_channel();
     let job = Job {
         prompt,
@@ -265,77 +264,4 @@ async fn whole(reply: Reply, mut events: UnboundedReceiver<Event>, timeout: Dura
         }
     }
     Err(ApiError::internal(STOPPED))
-}
-
-/// `n`, the stop strings, the token budget and the sampling fields; returns `max_tokens`
-/// (absent: the rest of the context) and the sampler.
-fn check(s: &Served, prompt: &[u32], p: &Params) -> Result<(usize, Sampler), ApiError> {
-    if p.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_field(
-            "n",
-            "n must be 1: one choice per request",
-        ));
-    }
-    if p.stops().iter().any(String::is_empty) {
-        return Err(ApiError::bad_field(
-            "stop",
-            "a stop string must not be empty",
-        ));
-    }
-    if prompt.is_empty() {
-        return Err(ApiError::bad_field(
-            "prompt",
-            "the prompt encodes to no tokens",
-        ));
-    }
-    let max_tokens = match p.max_tokens() {
-        Some(0) => {
-            return Err(ApiError::bad_field(
-                "max_tokens",
-                "max_tokens must be at least 1",
-            ))
-        }
-        Some(m) => m,
-        None => s.context.saturating_sub(prompt.len()).max(1),
-    };
-    let total = prompt.len().saturating_add(max_tokens);
-    if total > s.context {
-        let m = format!(
-            "this model's maximum context length is {} tokens per request (--context), but {total} \
-             were requested ({} in the prompt, {max_tokens} for the completion): shorten the \
-             prompt or lower max_tokens",
-            s.context,
-            prompt.len()
-        );
-        return Err(ApiError::bad_request(m).with_code("context_length_exceeded"));
-    }
-    Ok((max_tokens, sampler(s, p)?))
-}
-
-/// The sampler for the request's fields; one left out takes generation_config.json's value,
-/// else llama.cpp's, as in `generate`. The seed is random unless given.
-fn sampler(s: &Served, p: &Params) -> Result<Sampler, ApiError> {
-    let bad = |field: &'static str, rule: &str, v: f32| {
-        Err(ApiError::bad_field(
-            field,
-            format!("{field} must be {rule}, got {v}"),
-        ))
-    };
-    match (p.temperature, p.top_p, p.min_p, p.repeat_penalty) {
-        (Some(t), ..) if t < 0.0 => return bad("temperature", ">= 0", t),
-        (_, Some(v), ..) if !(v > 0.0 && v <= 1.0) => return bad("top_p", "in (0, 1]", v),
-        (_, _, Some(v), _) if !(0.0..=1.0).contains(&v) => return bad("min_p", "in [0, 1]", v),
-        (.., Some(v)) if v <= 0.0 => return bad("repeat_penalty", "> 0", v),
-        _ => {}
-    }
-    let requested = Requested {
-        temperature: p.temperature,
-        top_k: p.top_k,
-        top_p: p.top_p,
-        min_p: p.min_p,
-        repeat_penalty: p.repeat_penalty,
-        seed: p.seed.map(|s| s as u64),
-    };
-    Sampler::new(&requested.resolve(&s.generation))
-        .map_err(|e| ApiError::bad_request(e.to_string()))
 }

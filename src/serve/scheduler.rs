@@ -8,8 +8,12 @@
 //! reset between requests.
 //!
 //! A panic anywhere in the loop (inside a step or not) fails the requests in flight with a
-//! 500 and the loop goes on with a fresh batch: the server never answers 503 forever.
+//! 500 and the loop goes on with a fresh batch; if failing them panics too, the process
+//! exits with status 70 for a supervisor to restart it. The server never answers 503
+//! forever. `queue` holds the sending end; `fault` injects panics for the tests.
 
+use super::fault;
+use super::queue::{Queue, Stats};
 use super::request::{Event, Job, Request};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -17,7 +21,7 @@ use crate::model::{Feed, Transformer};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -28,68 +32,6 @@ use tokenizers::Tokenizer;
 /// keep that pause short (SmolLM2-135M prefills about 300 tok/s on two CPU cores: 0.4 s)
 /// while a chunk is still wide enough for the tiled products to run at prefill speed.
 pub const PREFILL_PER_STEP: usize = 128;
-
-/// What the scheduler reports on `/health`.
-#[derive(Debug)]
-pub struct Stats {
-    /// Requests in the batch after the last step.
-    pub running: AtomicUsize,
-    /// Requests queued for a cache (what `--max-queue` bounds).
-    pub waiting: AtomicUsize,
-    /// The most requests one step has fed since start: above 1, requests were batched.
-    pub largest_batch: AtomicUsize,
-    /// Panics the scheduler survived (each failed the requests in flight).
-    pub restarts: AtomicUsize,
-    /// False once the scheduler thread has ended: `/health` then answers 503.
-    pub alive: AtomicBool,
-}
-
-impl Default for Stats {
-    fn default() -> Self {
-        Self {
-            running: AtomicUsize::new(0),
-            waiting: AtomicUsize::new(0),
-            largest_batch: AtomicUsize::new(0),
-            restarts: AtomicUsize::new(0),
-            alive: AtomicBool::new(true),
-        }
-    }
-}
-
-/// The sending end of the queue of waiting requests, held by the HTTP handlers.
-#[derive(Clone)]
-pub struct Queue {
-    jobs: Sender<Job>,
-    stats: Arc<Stats>,
-    /// How many requests may wait (`--max-queue`).
-    pub capacity: usize,
-}
-
-/// Why a request was not queued.
-pub enum Refused {
-    /// `capacity` requests are already waiting.
-    Full,
-    /// The scheduler has stopped.
-    Stopped,
-}
-
-impl Queue {
-    /// Queues `job` without waiting.
-    pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
-        let waiting = &self.stats.waiting;
-        let room = |n: usize| (n < self.capacity).then_some(n + 1);
-        if waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, room)
-            .is_err()
-        {
-            return Err(Refused::Full);
-        }
-        self.jobs.send(job).map_err(|_| {
-            waiting.fetch_sub(1, Ordering::AcqRel);
-            Refused::Stopped
-        })
-    }
-}
 
 /// How the scheduler runs besides its model and caches.
 pub struct Settings {
@@ -120,7 +62,13 @@ pub fn spawn(
         .name("scheduler".into())
         .spawn(move || {
             let stats = settings.stats.clone();
-            supervise(&model, &tokenizer, caches, &inbox, &settings);
+            let run = || supervise(&model, &tokenizer, caches, &inbox, &settings);
+            if catch_unwind(AssertUnwindSafe(run)).is_err() {
+                // The loop could not recover (a panic while failing requests): exit so that
+                // a supervisor restarts the server, rather than answer 503 from now on.
+                eprintln!("error: the scheduler cannot go on (the panic above); exiting");
+                std::process::exit(70);
+            }
             stats.alive.store(false, Ordering::Release);
         })?;
     Ok((queue, thread))
@@ -168,6 +116,7 @@ fn supervise(
             Ok(Flow::Continue) => {}
             Ok(Flow::Stop) => return,
             Err(_) => {
+                fault.at(fault::Point::Recover);
                 let n = batch.recover(model);
                 let restarts = settings.stats.restarts.fetch_add(1, Ordering::Relaxed) + 1;
                 eprintln!(
@@ -310,53 +259,4 @@ fn step(
         running[i].accept(&logits);
     }
     Ok(())
-}
-
-/// Faults injected on purpose, in debug builds only, so that tests can prove the scheduler
-/// survives them: `TINY_DECODER_FAULT=admit` panics once right after a request is admitted
-/// (outside a step), `step` panics once inside a step, `slow` makes every step take at
-/// least 20 ms (so a test can keep the batch busy). Release builds read no variable.
-mod fault {
-    use std::time::Duration;
-
-    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-    pub enum Point {
-        Admit,
-        Step,
-    }
-
-    #[derive(Default)]
-    pub struct Injector {
-        /// The point that panics next time it is reached.
-        armed: Option<Point>,
-        /// Sleep at every step.
-        slow: bool,
-    }
-
-    impl Injector {
-        pub fn from_env() -> Self {
-            if !cfg!(debug_assertions) {
-                return Self::default();
-            }
-            let fault = std::env::var("TINY_DECODER_FAULT").unwrap_or_default();
-            let armed = match fault.as_str() {
-                "admit" => Some(Point::Admit),
-                "step" => Some(Point::Step),
-                _ => None,
-            };
-            let slow = fault == "slow";
-            Self { armed, slow }
-        }
-
-        /// Panics the first time `point` is reached when armed for it.
-        pub fn at(&mut self, point: Point) {
-            if self.slow && point == Point::Step {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if self.armed == Some(point) {
-                self.armed = None;
-                panic!("TINY_DECODER_FAULT={point:?}: injected scheduler fault");
-            }
-        }
-    }
 }

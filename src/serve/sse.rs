@@ -3,7 +3,8 @@
 //! request asked), and `data: [DONE]`. Dropping the stream (the client closed the connection)
 //! drops the request's receiver, which the scheduler notices at its next step.
 
-use super::openai::{finish_reason, ApiError, Reply, STOPPED};
+use super::error::{ApiError, STOPPED};
+use super::openai::{finish_reason, Reply};
 use super::request::Event;
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};

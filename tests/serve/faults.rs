@@ -1,6 +1,7 @@
 //! What the server survives: a panic in its scheduler thread, inside a model step or outside
 //! one, fails the requests in flight with 500 and the next request is served; a request that
 //! waits longer than `--request-timeout` for a cache is answered 408 and leaves the queue.
+//! A scheduler that panics again while failing its requests exits the process with 70.
 //! The faults are injected through `TINY_DECODER_FAULT`, which only debug builds read.
 
 use super::harness::Server;
@@ -39,6 +40,27 @@ fn a_scheduler_panic_outside_a_step_fails_its_requests_with_500_and_serving_goes
 #[test]
 fn a_scheduler_panic_inside_a_step_fails_its_requests_with_500_and_serving_goes_on() {
     survives("step");
+}
+
+#[test]
+fn a_scheduler_that_cannot_recover_exits_70_for_a_supervisor_to_restart() {
+    // A panic in a step, then another while failing its requests: no 503s forever.
+    let mut server = Server::start_with_env(&[], &[("TINY_DECODER_FAULT", "fatal")]);
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0});
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .build();
+    // The connection may be cut as the process exits: no reply is expected.
+    let _ = agent
+        .post(&format!("{}/v1/completions", server.url))
+        .send_json(body);
+    let status = server.wait_exit();
+    assert_eq!(status.code(), Some(70), "{}", server.log());
+    assert!(
+        server.log().contains("the scheduler cannot go on"),
+        "{}",
+        server.log()
+    );
 }
 
 #[test]

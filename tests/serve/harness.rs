@@ -133,10 +133,8 @@ impl Server {
         events
     }
 
-    /// SIGTERM, then the exit status (killed after `TIMEOUT`).
-    pub fn terminate(&mut self) -> ExitStatus {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+    /// The exit status of a server that exits on its own (killed after `TIMEOUT`).
+    pub fn wait_exit(&mut self) -> ExitStatus {
         let start = Instant::now();
         while start.elapsed() < TIMEOUT {
             if let Some(status) = self.child.try_wait().expect("wait") {
@@ -144,7 +142,14 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("serve did not exit after SIGTERM: {}", self.log());
+        panic!("serve did not exit: {}", self.log());
+    }
+
+    /// SIGTERM, then the exit status (killed after `TIMEOUT`).
+    pub fn terminate(&mut self) -> ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        self.wait_exit()
     }
 }
 
