@@ -14,6 +14,9 @@
 //!   inputs, and the per-head maps folded into W_o.
 //!
 //! Biases ride along as an extra input column (the input's constant 1).
+//!
+//! Over 300 lines on purpose: the three maps share the T matrices and the derivation above;
+//! apart, each would repeat them.
 
 use super::linalg::{eigh, matmul, sqrt_and_pinv_sqrt};
 use super::plan::Plan;

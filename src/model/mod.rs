@@ -128,10 +128,9 @@ impl Transformer {
     }
 
     /// Bytes of the embedding table a decode step does not read (it reads one row): all of
-    /// them, unless the LM head multiplies by that very table (tied and not quantized).
+    /// them, unless the LM head multiplies by that very table (tied, not quantized to blocks).
     pub fn embedding_bytes_unread(&self) -> usize {
         let table = self.embed_tokens.embeddings();
-        // A tied head is built on the table itself, until quantized into its own blocks.
         match self.cfg.tie_word_embeddings && self.lm_head.weight().is_some() {
             true => 0,
             false => table.elem_count() * table.dtype().size_in_bytes(),
@@ -153,7 +152,7 @@ impl Transformer {
         &self.cfg
     }
 
-    pub fn device(&self) -> &candle_core::Device {
+    pub fn device(&self) -> &Device {
         self.embed_tokens.embeddings().device()
     }
 

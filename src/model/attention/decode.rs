@@ -8,6 +8,9 @@
 //! running max, a sum of exponentials and an unnormalised sum of values, and the blocks are
 //! merged at the end. Scores use the [`simd`] matrix kernel (the group's query heads are the
 //! rows of x, the cached keys the rows of W); the value sum is `accumulate`.
+//!
+//! Over 300 lines on purpose: one candle op, whose blocks, merge and f32/bf16 cache reads
+//! only make sense together; the NEON forms are in `arm`.
 
 use crate::model::linear::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;

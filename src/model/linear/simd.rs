@@ -11,6 +11,10 @@
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
 //! widening shuffle. So the bf16 kernels take `x` in [`pair_layout`]: its even-indexed
 //! values, then its odd-indexed ones, split once per product instead of once per row.
+//!
+//! Over 300 lines on purpose: the ISA choice, the shape checks every form relies on and the
+//! scalar reference read as one contract; the AVX-512 and AVX2 forms are in `x86`, NEON's
+//! in `arm`.
 
 /// The environment variable that forces a lower instruction set than the CPU's best:
 /// `avx512`, `avx2`, `neon` or `scalar`.

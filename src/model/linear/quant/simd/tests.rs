@@ -1,0 +1,29 @@
+//! Each ISA's block dot products against the scalar loop, on every format.
+
+use super::*;
+
+/// The vector forms (where the CPU has them) equal the scalar loop, block by block.
+#[test]
+fn vector_forms_equal_the_scalar_loop() {
+    let (rows, cols, m) = (5, 128, 6);
+    let wave = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * s).sin()).collect() };
+    let (w, x) = (wave(rows * cols, 0.37), wave(m * cols, 0.91));
+    let xq = QRows::quantize(&x, cols);
+    for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+        let q = QWeight::quantize(format, &w, cols).unwrap();
+        for r in 0..rows {
+            let four = dot4(&q, r, &xq, 1);
+            for i in 0..m {
+                let want = scalar(&q, r, &xq, i) + offsets(&q, r, &xq, i);
+                let got = dot(&q, r, &xq, i);
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{format:?}"
+                );
+                if (1..5).contains(&i) {
+                    assert!((four[i - 1] - want).abs() <= 1e-4 * want.abs().max(1.0));
+                }
+            }
+        }
+    }
+}
