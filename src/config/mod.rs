@@ -187,7 +187,7 @@ impl HfConfig {
                 )))
             }
         }
-        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(Error::Config(format!(
                 "rms_norm_eps must be positive, got {}",
                 self.rms_norm_eps

@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: fixture paths and reference files.
 #![allow(dead_code)]
 
+pub mod gguf;
+
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use std::io::Write;

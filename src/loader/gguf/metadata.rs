@@ -1,7 +1,8 @@
 //! A GGUF file's metadata read by key: typed look-ups whose errors name the file and the key
 //! (`model.gguf: metadata key llama.block_count is missing`). GGUF writers differ in the
 //! integer and float widths they use for the same key, so every integer type reads as an
-//! integer and both float types as a float.
+//! integer and both float types as a float; but a float key holding an integer, or a float
+//! that is not finite, is refused.
 
 use crate::error::{Error, Result};
 use candle_core::quantized::gguf_file::Value;
@@ -28,16 +29,20 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A finite float; an integer is refused, as llama.cpp refuses it (a float's bits written as
+/// an integer would read as another number).
 fn float(v: &Value) -> Option<f64> {
     match *v {
-        Value::F32(x) => Some(x.into()),
-        Value::F64(x) => Some(x),
-        _ => int(v).map(|x| x as f64),
+        Value::F32(x) if x.is_finite() => Some(x.into()),
+        Value::F64(x) if x.is_finite() => Some(x),
+        _ => None,
     }
 }
 
 fn type_name(v: &Value) -> &'static str {
     match v {
+        Value::F32(x) if !x.is_finite() => "not finite",
+        Value::F64(x) if !x.is_finite() => "not finite",
         Value::F32(_) | Value::F64(_) => "a float",
         Value::Bool(_) => "a bool",
         Value::String(_) => "a string",
@@ -89,7 +94,7 @@ impl Meta<'_> {
     }
 
     pub fn opt_float(&self, key: &str) -> Result<Option<f64>> {
-        self.typed(key, "a float", float)
+        self.typed(key, "a finite float", float)
     }
 
     pub fn float(&self, key: &str) -> Result<f64> {
@@ -143,6 +148,11 @@ impl Meta<'_> {
     }
 
     pub fn opt_floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
-        self.array(key, "an array of floats", float)
+        // Scores may be -inf (a token never merged into): any float, but not an integer.
+        self.array(key, "an array of floats", |v| match *v {
+            Value::F32(x) => Some(x.into()),
+            Value::F64(x) => Some(x),
+            _ => None,
+        })
     }
 }

@@ -13,6 +13,7 @@
 
 mod config;
 mod metadata;
+mod reader;
 mod tensors;
 mod tokenizer;
 
@@ -51,35 +52,10 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
-    /// Reads the metadata and the tensor table, and checks that every tensor's bytes lie
-    /// inside the file (a truncated file is refused here, naming the first tensor cut off).
+    /// Reads the metadata and the tensor table, checked as llama.cpp checks them
+    /// (`reader`): a truncated or inconsistent file is refused here, naming the tensor or key.
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = std::fs::File::open(path).map_err(|e| Error::file(path, e))?;
-        let content = Content::read(&mut file).map_err(|e| {
-            Error::file(
-                path,
-                format!("not a valid GGUF file: {}", candle_message(&e)),
-            )
-        })?;
-        let size = file.metadata().map_err(|e| Error::file(path, e))?.len();
-        let mut infos: Vec<_> = content.tensor_infos.iter().collect();
-        infos.sort_by_key(|(_, t)| t.offset);
-        for (name, t) in infos {
-            let (block, elems) = (t.ggml_dtype.block_size(), t.shape.elem_count());
-            let bytes = (elems / block * t.ggml_dtype.type_size()) as u64;
-            let end = content
-                .tensor_data_offset
-                .saturating_add(t.offset)
-                .saturating_add(bytes);
-            if elems % block != 0 || end > size {
-                let msg = format!(
-                    "truncated or corrupt: tensor {name} ({:?}, {elems} values) ends at byte \
-                     {end}, the file has {size}",
-                    t.ggml_dtype
-                );
-                return Err(Error::file(path, msg));
-            }
-        }
+        let content = reader::read(path)?;
         let meta = Meta {
             path,
             map: &content.metadata,

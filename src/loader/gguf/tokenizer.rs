@@ -47,6 +47,9 @@ fn split_regex(pre: &str) -> Option<&'static str> {
     }
 }
 
+/// The longest token accepted (real vocabularies stay under a few hundred bytes).
+const MAX_TOKEN_BYTES: usize = 1024;
+
 /// The tokenizer and what the file says about using it; `None` when the file has no
 /// `tokenizer.ggml.model`.
 pub(super) fn build(meta: &Meta) -> Result<Option<(Tokenizer, TokenizerMeta)>> {
@@ -55,6 +58,14 @@ pub(super) fn build(meta: &Meta) -> Result<Option<(Tokenizer, TokenizerMeta)>> {
         return Ok(None);
     };
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
+    // Merges rebuilt from scores cost the square of a token's length: bound it first.
+    if let Some((id, t)) = (tokens.iter().enumerate()).find(|(_, t)| t.len() > MAX_TOKEN_BYTES) {
+        let msg = format!(
+            "has token {id} of {} bytes, more than {MAX_TOKEN_BYTES}",
+            t.len()
+        );
+        return Err(meta.error("tokenizer.ggml.tokens", msg));
+    }
     let types = meta
         .opt_ints("tokenizer.ggml.token_type")?
         .unwrap_or_default();

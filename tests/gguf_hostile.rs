@@ -1,0 +1,264 @@
+//! GGUF files a stranger could hand us, refused in one line as llama.cpp's `gguf.cpp`
+//! refuses them (or sooner): tensor data misaligned, overlapping or relabelled with another
+//! type, a dimension of 2^62, `general.alignment` 0, a float key stored as an integer, a NaN
+//! epsilon, a 1,000,000-byte token and a huge array; each within seconds. A large array the
+//! loader never reads is skipped, and the file still loads.
+
+mod common;
+
+use candle_core::quantized::gguf_file::Value;
+use common::gguf::{set, to_gguf, Edit};
+use common::{fails, BIN};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Where one tensor's entry of the table lies in the file.
+struct Entry {
+    dims_at: usize,
+    type_at: usize,
+    offset_at: usize,
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Bytes of one GGUF value of type `ty` at `at` (a well-formed file: ours).
+fn value_len(b: &[u8], at: usize, ty: u32) -> usize {
+    match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        10..=12 => 8,
+        8 => 8 + u64_at(b, at) as usize,
+        9 => {
+            let (item, n) = (u32_at(b, at), u64_at(b, at + 4) as usize);
+            let mut len = 12;
+            for _ in 0..n {
+                len += value_len(b, at + len, item);
+            }
+            len
+        }
+        t => panic!("type {t}"),
+    }
+}
+
+/// The tensor table of a GGUF file written by `to_gguf`.
+fn table(b: &[u8]) -> Vec<Entry> {
+    let (n_tensors, n_kv) = (u64_at(b, 8), u64_at(b, 16));
+    let mut at = 24;
+    for _ in 0..n_kv {
+        at += 8 + u64_at(b, at) as usize;
+        let ty = u32_at(b, at);
+        at += 4 + value_len(b, at + 4, ty);
+    }
+    (0..n_tensors)
+        .map(|_| {
+            at += 8 + u64_at(b, at) as usize;
+            let n_dims = u32_at(b, at) as usize;
+            let e = Entry {
+                dims_at: at + 4,
+                type_at: at + 4 + 8 * n_dims,
+                offset_at: at + 8 + 8 * n_dims,
+            };
+            at = e.offset_at + 8;
+            e
+        })
+        .collect()
+}
+
+/// A change to a file's bytes.
+type Patch<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
+
+fn write(name: &str, bytes: &[u8]) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// `generate` and `info` on `path` fail with `expect` in one line naming the file, within
+/// 5 s.
+fn refused(path: &std::path::Path, expect: &str) {
+    refused_by(path, expect, &["info", "generate"]);
+}
+
+fn refused_by(path: &std::path::Path, expect: &str, commands: &[&str]) {
+    let arg = path.to_str().unwrap();
+    for &command in commands {
+        let args = match command {
+            "generate" => vec![command, "-m", arg, "-p", "hi", "-n", "1"],
+            _ => vec![command, "-m", arg],
+        };
+        let start = Instant::now();
+        let stderr = fails(&args, &[], expect);
+        assert!(stderr.contains(arg), "{stderr}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{args:?} took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+#[test]
+fn tensor_data_that_llama_cpp_refuses_is_refused() {
+    let whole = std::fs::read(to_gguf("llama-mha-tied", "hostile-whole.gguf", |_| {})).unwrap();
+    let t = table(&whole);
+    assert!(t.len() > 3);
+    let set_u64 =
+        |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    let set_u32 =
+        |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    let cases: Vec<(&str, Patch, &str)> = vec![
+        (
+            "misaligned",
+            Box::new(|b| set_u64(b, t[2].offset_at, u64_at(b, t[2].offset_at) + 1)),
+            "expected",
+        ),
+        (
+            "overlap",
+            Box::new(|b| set_u64(b, t[2].offset_at, 0)),
+            "expected",
+        ),
+        // F32 relabelled F16 and Q8_0: the sizes no longer add up to the next offset.
+        (
+            "as-f16",
+            Box::new(|b| set_u32(b, t[1].type_at, 1)),
+            "expected",
+        ),
+        (
+            "as-q8_0",
+            Box::new(|b| set_u32(b, t[1].type_at, 8)),
+            "expected",
+        ),
+        (
+            "bad-type",
+            Box::new(|b| set_u32(b, t[1].type_at, 99)),
+            "type 99",
+        ),
+        (
+            "huge-dim",
+            Box::new(|b| set_u64(b, t[1].dims_at, 1 << 62)),
+            "tensor ",
+        ),
+        (
+            "huger-dim",
+            Box::new(|b| set_u64(b, t[1].dims_at, 1 << 63)),
+            "tensor ",
+        ),
+    ];
+    for (case, edit, expect) in cases {
+        let mut b = whole.clone();
+        edit(&mut b);
+        refused(&write(&format!("hostile-{case}.gguf"), &b), expect);
+    }
+}
+
+#[test]
+fn metadata_that_llama_cpp_refuses_is_refused() {
+    let theta = "llama.rope.freq_base";
+    let eps = "llama.attention.layer_norm_rms_epsilon";
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "align-0",
+            Box::new(set("general.alignment", Value::U32(0))),
+            "general.alignment",
+        ),
+        (
+            "align-3",
+            Box::new(set("general.alignment", Value::U32(3))),
+            "general.alignment",
+        ),
+        (
+            "align-i32",
+            Box::new(set("general.alignment", Value::I32(32))),
+            "general.alignment",
+        ),
+        // 10000.0's bits read as an integer: another number.
+        (
+            "theta-int",
+            Box::new(set(theta, Value::I32(1176256512))),
+            "expected a finite float",
+        ),
+        (
+            "eps-nan",
+            Box::new(set(eps, Value::F32(f32::NAN))),
+            "not finite",
+        ),
+        (
+            "eps-inf",
+            Box::new(set(eps, Value::F32(f32::INFINITY))),
+            "not finite",
+        ),
+        (
+            "nested",
+            Box::new(set(
+                "general.nested",
+                Value::Array(vec![Value::Array(vec![])]),
+            )),
+            "an array inside an array",
+        ),
+        (
+            "huge-scores",
+            Box::new(set(
+                "tokenizer.ggml.scores",
+                Value::Array(vec![Value::U8(0); 3_000_000]),
+            )),
+            "tokenizer.ggml.scores: an array of 3000000 elements",
+        ),
+    ];
+    for (case, edit, expect) in cases {
+        let path = to_gguf("llama-mha-tied", &format!("hostile-{case}.gguf"), edit);
+        refused(&path, expect);
+    }
+}
+
+#[test]
+fn a_large_array_the_loader_never_reads_is_skipped() {
+    let junk = Value::Array(vec![Value::U8(7); 5_000_000]);
+    let path = to_gguf(
+        "llama-mha-tied",
+        "hostile-junk.gguf",
+        set("general.junk", junk),
+    );
+    let start = Instant::now();
+    let out = Command::new(BIN)
+        .args([
+            "generate",
+            "-m",
+            path.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-n",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_million_byte_token_is_refused_before_the_merges_are_rebuilt() {
+    let edit = |meta: &mut Vec<(String, Value)>| {
+        for (k, v) in meta.iter_mut() {
+            if let (true, Value::Array(tokens)) = (k == "tokenizer.ggml.tokens", v) {
+                tokens[5] = Value::String("a".repeat(1_000_000));
+            }
+        }
+    };
+    let path = to_gguf("llama-mha-tied", "hostile-long-token.gguf", edit);
+    // `info` builds no tokenizer: only `generate` meets the token.
+    let expect = "tokenizer.ggml.tokens has token 5 of 1000000 bytes, more than 1024";
+    refused_by(&path, expect, &["generate"]);
+}
