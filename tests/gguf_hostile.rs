@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 /// Where one tensor's entry of the table lies in the file.
 struct Entry {
+    name: String,
     dims_at: usize,
     type_at: usize,
     offset_at: usize,
@@ -59,9 +60,12 @@ fn table(b: &[u8]) -> Vec<Entry> {
     }
     (0..n_tensors)
         .map(|_| {
-            at += 8 + u64_at(b, at) as usize;
+            let len = u64_at(b, at) as usize;
+            let name = String::from_utf8(b[at + 8..at + 8 + len].to_vec()).unwrap();
+            at += 8 + len;
             let n_dims = u32_at(b, at) as usize;
             let e = Entry {
+                name,
                 dims_at: at + 4,
                 type_at: at + 4 + 8 * n_dims,
                 offset_at: at + 8 + 8 * n_dims,
@@ -110,6 +114,7 @@ fn tensor_data_that_llama_cpp_refuses_is_refused() {
     let whole = std::fs::read(to_gguf("llama-mha-tied", "hostile-whole.gguf", |_| {})).unwrap();
     let t = table(&whole);
     assert!(t.len() > 3);
+    let ffn = t.iter().find(|e| e.name == "blk.0.ffn_up.weight").unwrap();
     let set_u64 =
         |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
     let set_u32 =
@@ -157,6 +162,15 @@ fn tensor_data_that_llama_cpp_refuses_is_refused() {
         edit(&mut b);
         refused(&write(&format!("hostile-{case}.gguf"), &b), expect);
     }
+    // Same bytes, another shape: checked against the config's when the model is built
+    // (`info` reads the table only, and shows it).
+    let mut b = whole.clone();
+    let (d0, d1) = (u64_at(&b, ffn.dims_at), u64_at(&b, ffn.dims_at + 8));
+    set_u64(&mut b, ffn.dims_at, d1);
+    set_u64(&mut b, ffn.dims_at + 8, d0);
+    let path = write("hostile-transposed.gguf", &b);
+    let expect = "shape mismatch for model.layers.0.mlp.up_proj.weight";
+    refused_by(&path, expect, &["generate"]);
 }
 
 #[test]
