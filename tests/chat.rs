@@ -335,4 +335,15 @@ fn bad_chat_input_is_one_line_naming_it() {
         "context length is 256",
     );
     fails(&["chat", "-m", "tiny-gqa"], &[], "no chat template");
+    // A hostile checkpoint's template: an error, not an abort or a render without end.
+    for (source, expect) in [
+        ("{{ messages | tojson(indent=100000000000000) }}", "indent"),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "steps",
+        ),
+    ] {
+        std::fs::write(dir.join("chat_template.jinja"), source).unwrap();
+        fails(&["generate", "-m", m, "-p", "x"], &[], expect);
+    }
 }

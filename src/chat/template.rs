@@ -50,6 +50,10 @@ pub struct ChatTemplate {
     eos_token: Option<String>,
 }
 
+/// Each render's budget: instructions, plus about one per 64 bytes of data the template
+/// builds, so at most ~256 MB. A real template spends a few hundred per message.
+const FUEL: u64 = 4_000_000;
+
 /// The name the template is stored under; errors are reported by line instead.
 const NAME: &str = "chat_template";
 
@@ -66,6 +70,9 @@ impl ChatTemplate {
             .map_err(template_error)?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // A template is a program from the checkpoint's author: bound each render's work and
+        // the data it builds (minijinja charges about one fuel per 64 bytes).
+        env.set_fuel(Some(FUEL));
         env.add_filter("tojson", py::tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", |format: &str| py::strftime_now(format));
@@ -157,9 +164,13 @@ fn template_error(err: minijinja::Error) -> Error {
         }
         source = e.source();
     }
-    let msg = raised.unwrap_or_else(|| match err.detail() {
-        Some(detail) => format!("{}: {detail}", err.kind()),
-        None => err.kind().to_string(),
+    let msg = raised.unwrap_or_else(|| match (err.kind(), err.detail()) {
+        (ErrorKind::OutOfFuel, _) => format!(
+            "rendering took more than {FUEL} steps or built too much text (a loop without \
+             end, or a huge output): refused"
+        ),
+        (kind, Some(detail)) => format!("{kind}: {detail}"),
+        (kind, None) => kind.to_string(),
     });
     let msg = msg.lines().collect::<Vec<_>>().join(" ");
     Error::Template { line, msg }

@@ -165,3 +165,29 @@ fn bad_flags_and_a_taken_port_fail_in_one_line() {
     let port = server.url.rsplit(':').next().unwrap().to_string();
     fails(&["--port", &port], "cannot listen on 127.0.0.1:");
 }
+
+#[test]
+fn a_hostile_chat_template_answers_400_and_the_server_stays_up() {
+    let templates = [
+        ("{{ messages | tojson(indent=100000000000000) }}", "indent"),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "steps",
+        ),
+    ];
+    for (source, says) in templates {
+        let dir = tiny_with_template("mistral");
+        std::fs::write(dir.join("chat_template.jinja"), source).unwrap();
+        let server = Server::start(&["-m", dir.to_str().unwrap()]);
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;
+        let (status, e) = error(&server, "/v1/chat/completions", body, None);
+        assert_eq!(status, 400, "{source}: {e}");
+        assert!(
+            e["message"].as_str().unwrap().contains(says),
+            "{source}: {e}"
+        );
+        assert_eq!(server.get("/health").0, 200);
+        let plain = json!({"prompt": "ROMEO:", "max_tokens": 2});
+        assert_eq!(server.post("/v1/completions", &plain).0, 200);
+    }
+}

@@ -16,6 +16,17 @@ pub fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, Error> {
         None => None,
         Some(v) if v.is_none() => None,
         Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) if n > MAX_INDENT as i64 => {
+                return Err(invalid(format!(
+                    "tojson: indent {n} is more than {MAX_INDENT}"
+                )))
+            }
+            (_, Some(s)) if s.len() > MAX_INDENT => {
+                return Err(invalid(format!(
+                    "tojson: an indent of {} bytes is more than {MAX_INDENT}",
+                    s.len()
+                )))
+            }
             (Some(n), _) => Some(" ".repeat(n.max(0) as usize)),
             (_, Some(s)) => Some(s.to_string()),
             _ => {
@@ -45,6 +56,11 @@ pub fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, Error> {
     Ok(json.out)
 }
 
+/// Bounds on what a template can make `tojson` build: the text a render builds is bounded
+/// by minijinja's fuel, but a filter's own work is charged only for what it returns.
+const MAX_INDENT: usize = 64;
+const MAX_JSON: usize = 16 << 20;
+
 fn invalid(msg: String) -> Error {
     Error::new(ErrorKind::InvalidOperation, msg)
 }
@@ -62,6 +78,11 @@ struct Json {
 
 impl Json {
     fn value(&mut self, v: &Value, depth: usize) -> Result<(), Error> {
+        if self.out.len() > MAX_JSON {
+            return Err(invalid(format!(
+                "tojson: the text is over {MAX_JSON} bytes"
+            )));
+        }
         match v.kind() {
             ValueKind::None => self.out.push_str("null"),
             ValueKind::Bool => self

@@ -185,3 +185,42 @@ fn read_messages_names_the_bad_entry() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Templates that would abort or never end, from a hostile checkpoint: each is an error
+/// within a second, and a real template still renders a long conversation.
+#[test]
+fn hostile_templates_are_bounded() {
+    let cases = [
+        (
+            "{{ messages | tojson(indent=100000000000000) }}",
+            "indent 100000000000000 is more than 64",
+        ),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "more than 4000000 steps",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(64) %}\
+             {% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "more than 4000000 steps",
+        ),
+    ];
+    for (source, expect) in cases {
+        let start = std::time::Instant::now();
+        let text = render(source, serde_json::json!({}))
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains(expect), "{source}: {text}");
+        assert!(
+            start.elapsed().as_secs_f64() < 1.0,
+            "{source}: {:?}",
+            start.elapsed()
+        );
+    }
+    let smollm2 = include_str!("../../../tests/data/chat_templates/smollm2.jinja");
+    let t = ChatTemplate::new(smollm2, None, None).unwrap();
+    let long: Vec<Message> = (0..2000)
+        .map(|i| msg(["user", "assistant"][i % 2], &"word ".repeat(50)))
+        .collect();
+    assert!(t.render(&long, true).unwrap().len() > 2000 * 250);
+}
