@@ -220,9 +220,9 @@ fn candle_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// `y = x · Wᵀ` for block-format weights: a prompt-sized x through `gemm` on dequantized
 /// blocks (`prefill`), fewer rows through the integer kernels (`quant`).
 pub fn blocks_product(q: &QWeight, x: &[f32], y: &mut [f32]) {
-    let m = x.len() / q.cols.max(1);
+    let m = x.len() / q.cols().max(1);
     match prefill::by_gemm(m, prefill::Weights::Blocks(q)) {
-        true => prefill::product(x, q.cols, prefill::Weights::Blocks(q), y),
+        true => prefill::product(x, q.cols(), prefill::Weights::Blocks(q), y),
         false => q.product(x, y),
     }
 }
@@ -232,20 +232,20 @@ impl Module for Linear {
         let y = match &self.weight {
             Weight::Dense(w) => matvec(x, w)?,
             Weight::Blocks(q) => {
-                if x.dims().last() != Some(&q.cols) {
+                if x.dims().last() != Some(&q.cols()) {
                     return Err(candle_core::Error::Msg(format!(
                         "quantized linear: x {:?} is not rows of width {}",
                         x.shape(),
-                        q.cols
+                        q.cols()
                     )));
                 }
                 let dtype = x.dtype();
                 let mut dims = x.dims().to_vec();
                 let x = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let mut y = vec![0f32; x.len() / q.cols * q.rows];
+                let mut y = vec![0f32; x.len() / q.cols() * q.rows()];
                 blocks_product(q, &x, &mut y);
                 if let Some(last) = dims.last_mut() {
-                    *last = q.rows;
+                    *last = q.rows();
                 }
                 Tensor::from_vec(y, dims, &candle_core::Device::Cpu)?.to_dtype(dtype)?
             }

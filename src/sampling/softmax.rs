@@ -56,8 +56,8 @@ fn exps(logits: &[f32], max: f32, temperature: f32, out: &mut [f32]) {
         run(logits, max, temperature, out)
     }
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
-        // SAFETY: this CPU has AVX2.
+    if crate::model::linear::simd::Isa::current().has_avx2() {
+        // SAFETY: this CPU has AVX2 (and TINY_DECODER_ISA did not rule it out).
         return unsafe { avx2(logits, max, temperature, out) };
     }
     run(logits, max, temperature, out)

@@ -70,7 +70,7 @@ impl Weights<'_> {
         match self {
             Weights::F32(w) => w.len(),
             Weights::Bf16(w) => w.len(),
-            Weights::Blocks(w) => w.rows * w.cols,
+            Weights::Blocks(w) => w.rows() * w.cols(),
         }
     }
 }

@@ -52,10 +52,13 @@ impl Format {
 
 /// A (rows, cols) weight matrix in a block format; `cols` is a multiple of [`BLOCK`].
 #[derive(Debug, Clone)]
+///
+/// Its fields are private: the kernels' unchecked loads rely on `scales`, `mins` and
+/// `quants` holding exactly `rows · cols` weights, which only the constructors establish.
 pub struct QWeight {
-    pub format: Format,
-    pub rows: usize,
-    pub cols: usize,
+    format: Format,
+    rows: usize,
+    cols: usize,
     /// One scale per block, row-major.
     scales: Vec<f16>,
     /// Q4_1: one minimum per block; empty otherwise.
@@ -109,12 +112,16 @@ impl QWeight {
     }
 
     /// A (rows, cols) matrix from ggml's bytes for it: blocks of f16 `d` (and `m` for Q4_1)
-    /// followed by the quants, as GGUF files store them. `None` when the sizes disagree.
+    /// followed by the quants, as GGUF files store them. `None` when the sizes disagree
+    /// (by checked arithmetic: a size from a file may be anything).
     pub fn from_ggml(format: Format, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
         let per_block = format.quant_bytes();
         let block_bytes = 2 * format.halves() + per_block;
-        let blocks = (rows * cols) / BLOCK;
-        if cols == 0 || !cols.is_multiple_of(BLOCK) || bytes.len() != blocks * block_bytes {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+            return None;
+        }
+        let blocks = rows.checked_mul(cols)? / BLOCK;
+        if blocks.checked_mul(block_bytes) != Some(bytes.len()) {
             return None;
         }
         let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
@@ -135,6 +142,18 @@ impl QWeight {
             mins,
             quants,
         })
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
     }
 
     /// Bytes held: quants, scales and minimums (ggml's: 34 per Q8_0 block, 18 per Q4_0
@@ -241,7 +260,23 @@ impl QWeight {
             self.rows,
             self.cols
         );
+        // What the kernels' unchecked loads rely on, checked once per product.
+        let blocks = self.rows * self.cols / BLOCK;
+        assert!(
+            self.scales.len() == blocks
+                && self.quants.len() == blocks * self.format.quant_bytes()
+                && self.mins.len()
+                    == if self.format == Format::Q4_1 {
+                        blocks
+                    } else {
+                        0
+                    },
+            "quantized product: a {}x{} weight whose blocks do not match its shape",
+            self.rows,
+            self.cols
+        );
         let xq = QRows::quantize(x, self.cols);
+        debug_assert_eq!(xq.scales.len(), m * self.cols / BLOCK);
         let pool = Pool::global();
         let rows = self.rows.div_ceil(pool.threads() * 4).max(1);
         let out = Out(y.as_mut_ptr());
@@ -253,13 +288,17 @@ impl QWeight {
             for r in r0..r1 {
                 let mut i = 0;
                 while i + 4 <= m {
-                    for (j, v) in simd::dot4(self, r, &xq, i).into_iter().enumerate() {
+                    // SAFETY: r < rows, i + 4 <= m rows of xq, of our width; the blocks
+                    // were checked against the shape above.
+                    let dots = unsafe { simd::dot4(self, r, &xq, i) };
+                    for (j, v) in dots.into_iter().enumerate() {
                         put(i + j, r, v);
                     }
                     i += 4;
                 }
                 for i in i..m {
-                    put(i, r, simd::dot(self, r, &xq, i));
+                    // SAFETY: as for dot4, for row i < m.
+                    put(i, r, unsafe { simd::dot(self, r, &xq, i) });
                 }
             }
         });

@@ -63,6 +63,12 @@ impl Isa {
         self.0
     }
 
+    /// Whether AVX2 (with FMA and F16C) may run: every x86 fast path asks here, so that
+    /// [`ISA_VAR`] reaches its fallback too.
+    pub fn has_avx2(self) -> bool {
+        matches!(self.0, IsaKind::Avx2 | IsaKind::Avx512)
+    }
+
     /// The best set this CPU supports.
     pub fn detect() -> Isa {
         *Isa::supported().last().unwrap_or(&Isa::SCALAR)

@@ -42,7 +42,7 @@ pub fn transposed<'a>(
 /// (rows, columns): nothing without AVX2.
 fn squares(w: &[u16], k: usize, (rows, cols): (usize, usize), out: &mut [f32]) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
+    if super::super::simd::Isa::current().has_avx2() {
         let (r8, c8) = (rows - rows % 8, cols - cols % 8);
         // SAFETY: this CPU has AVX2; `transposed` checked that rows < r8 and columns < c8
         // of w exist (each read is 8 values of one row, c + 8 <= c8 <= cols <= k - c0), and

@@ -16,7 +16,11 @@ use crate::model::linear::simd::{Isa, IsaKind};
 
 /// `Σ_b d_w[b] · d_x[b] · Σ_j q_w[b, j] · x[b, j]` over the blocks of weight row `r` and row
 /// `i` of x, plus [`offsets`]: the row's dot product.
-pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+///
+/// # Safety
+/// `r` is a row of `w` and `i` a row of `x`, of `w`'s width; `w`'s blocks match its shape
+/// (`QWeight::product` checks both once, outside its loops).
+pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
@@ -35,7 +39,10 @@ pub fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 
 /// [`dot`] for rows `i0..i0 + 4` of x: each weight block is loaded (and its nibbles
 /// unpacked) once for the four.
-pub fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+///
+/// # Safety
+/// As [`dot`], for rows `i0..i0 + 4` of `x`.
+pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};

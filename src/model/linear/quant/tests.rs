@@ -60,22 +60,46 @@ fn product_equals_the_dequantized_integer_dot() {
 /// ggml's bytes for a matrix read back are the same matrix.
 #[test]
 fn from_ggml_reads_what_ggml_writes() {
+    // The bytes come from candle's port of ggml's quantizers (`QTensor::quantize`), not
+    // from our layout, so a misread field would show.
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
     let (rows, cols) = (3, 64);
     let w = data(rows * cols, 3);
-    for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
-        let q = QWeight::quantize(format, &w, cols).unwrap();
-        let mut bytes = Vec::new();
-        for b in 0..q.scales.len() {
-            bytes.extend(q.scales[b].to_le_bytes());
-            if let Some(m) = q.mins.get(b) {
-                bytes.extend(m.to_le_bytes());
-            }
-            let n = format.quant_bytes();
-            bytes.extend(&q.quants[b * n..(b + 1) * n]);
-        }
+    let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+    for (format, ggml) in [
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q4_1, GgmlDType::Q4_1),
+    ] {
+        let theirs = QTensor::quantize(&t, ggml).unwrap();
+        let bytes = theirs.data().unwrap();
         let back = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
-        assert_eq!(back.dequantize(), q.dequantize(), "{format:?}");
+        let want = theirs
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        assert_eq!(
+            back.dequantize(),
+            want.to_vec1::<f32>().unwrap(),
+            "{format:?}"
+        );
         assert_eq!(back.bytes(), bytes.len());
         assert!(QWeight::from_ggml(format, rows, cols, &bytes[1..]).is_none());
     }
+}
+
+/// Sizes from a file may be anything: a shape whose product overflows is refused, not
+/// wrapped into a small weight that the kernels would read past.
+#[test]
+fn from_ggml_refuses_sizes_that_overflow() {
+    let bytes = vec![0u8; 4 * 34];
+    assert!(QWeight::from_ggml(Format::Q8_0, (1 << 61) + 4, 32, &bytes).is_none());
+    assert!(QWeight::from_ggml(Format::Q8_0, usize::MAX, 32, &bytes).is_none());
+    assert!(QWeight::from_ggml(Format::Q8_0, 4, 0, &bytes).is_none());
+    let q = QWeight::from_ggml(Format::Q8_0, 4, 32, &bytes).unwrap();
+    let mut y = vec![0f32; 4];
+    q.product(&[1.0; 32], &mut y);
+    assert_eq!(y, [0.0; 4]);
 }

@@ -12,10 +12,12 @@ fn vector_forms_equal_the_scalar_loop() {
     for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
         let q = QWeight::quantize(format, &w, cols).unwrap();
         for r in 0..rows {
-            let four = dot4(&q, r, &xq, 1);
+            // SAFETY: r < rows and 1 + 4 <= m rows of xq, made for this weight.
+            let four = unsafe { dot4(&q, r, &xq, 1) };
             for i in 0..m {
                 let want = scalar(&q, r, &xq, i) + offsets(&q, r, &xq, i);
-                let got = dot(&q, r, &xq, i);
+                // SAFETY: as above, row i < m.
+                let got = unsafe { dot(&q, r, &xq, i) };
                 assert!(
                     (got - want).abs() <= 1e-4 * want.abs().max(1.0),
                     "{format:?}"
