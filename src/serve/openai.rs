@@ -213,6 +213,10 @@ fn usage(f: &Finish) -> Value {
            "total_tokens": f.prompt_tokens + f.completion_tokens})
 }
 
+/// Most stop strings a request may send (OpenAI allows 4), and their longest.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
 /// The checks a request's fields pass before it is queued (each failure a 400 naming the
 /// field).
 impl Params {
@@ -231,11 +235,18 @@ impl Params {
                 "n must be 1: one choice per request",
             ));
         }
-        if p.stops().iter().any(String::is_empty) {
+        let stops = p.stops();
+        if stops.iter().any(String::is_empty) {
             return Err(ApiError::bad_field(
                 "stop",
                 "a stop string must not be empty",
             ));
+        }
+        // Each stop string is matched on the scheduler thread at every token: bounded.
+        if stops.len() > MAX_STOPS || stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+            let m =
+                format!("at most {MAX_STOPS} stop strings of at most {MAX_STOP_BYTES} bytes each");
+            return Err(ApiError::bad_field("stop", m));
         }
         if prompt.is_empty() {
             return Err(ApiError::bad_field(

@@ -157,16 +157,7 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
             );
             return Err(ApiError::bad_field("prompt", m));
         }
-        Prompt::Ids(ids) => match ids.iter().find(|&&id| id as usize >= s.vocab_size) {
-            Some(id) => {
-                let m = format!(
-                    "token id {id} is not below the vocabulary size {}",
-                    s.vocab_size
-                );
-                return Err(ApiError::bad_field("prompt", m));
-            }
-            None => ids.clone(),
-        },
+        Prompt::Ids(ids) => ids.clone(),
     };
     respond(&s, prompt, &req.params, false).await
 }
@@ -208,6 +199,15 @@ async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
 
 /// Queues the request and replies: the whole text, or a stream of it.
 async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer {
+    // Ids sent as such, or a tokenizer's added tokens past the model's embedding rows: an
+    // id the model has no row for fails this request, not the batch step it would join.
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= s.vocab_size) {
+        let m = format!(
+            "token id {id} is not below the model's vocabulary size {}",
+            s.vocab_size
+        );
+        return Err(ApiError::bad_field("prompt", m));
+    }
     let (max_tokens, sampler) = p.check(&prompt, s.context, &s.generation)?;
     let (events, receiver) = unbounded_channel();
     let job = Job {

@@ -48,6 +48,20 @@ fn bad_requests_answer_400_404_and_the_server_keeps_serving() {
         assert_eq!(status, want, "{body}: {e}");
         assert!(e["message"].as_str().unwrap().contains(says), "{body}: {e}");
     }
+    // Stop strings are matched at every token on the scheduler thread: bounded.
+    let many = vec!["a"; 250_000];
+    for stop in [json!(many), json!(vec!["x"; 17]), json!(["y".repeat(257)])] {
+        let body = json!({"prompt": "a", "stop": stop}).to_string();
+        let (status, e) = error(&server, c, &body, None);
+        assert_eq!(status, 400, "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("at most 16 stop strings"),
+            "{e}"
+        );
+    }
     let long = "ROMEO ".repeat(300);
     let (status, e) = error(&server, c, &json!({"prompt": long}).to_string(), None);
     assert_eq!(
