@@ -163,3 +163,68 @@ pub fn set(key: &'static str, value: Value) -> impl Fn(&mut Vec<(String, Value)>
         meta.push((key.into(), value.clone()));
     }
 }
+
+/// Where one tensor's entry of the table lies in the file.
+pub struct Entry {
+    pub name: String,
+    pub dims_at: usize,
+    pub n_dims: usize,
+    pub type_at: usize,
+    pub offset_at: usize,
+}
+
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Bytes of one GGUF value of type `ty` at `at` (a well-formed file: ours).
+fn value_len(b: &[u8], at: usize, ty: u32) -> usize {
+    match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        10..=12 => 8,
+        8 => 8 + u64_at(b, at) as usize,
+        9 => {
+            let (item, n) = (u32_at(b, at), u64_at(b, at + 4) as usize);
+            let mut len = 12;
+            for _ in 0..n {
+                len += value_len(b, at + len, item);
+            }
+            len
+        }
+        t => panic!("type {t}"),
+    }
+}
+
+/// The tensor table of a GGUF file written by `to_gguf`.
+pub fn table(b: &[u8]) -> Vec<Entry> {
+    let (n_tensors, n_kv) = (u64_at(b, 8), u64_at(b, 16));
+    let mut at = 24;
+    for _ in 0..n_kv {
+        at += 8 + u64_at(b, at) as usize;
+        let ty = u32_at(b, at);
+        at += 4 + value_len(b, at + 4, ty);
+    }
+    (0..n_tensors)
+        .map(|_| {
+            let len = u64_at(b, at) as usize;
+            let name = String::from_utf8(b[at + 8..at + 8 + len].to_vec()).unwrap();
+            at += 8 + len;
+            let n_dims = u32_at(b, at) as usize;
+            let e = Entry {
+                name,
+                n_dims,
+                dims_at: at + 4,
+                type_at: at + 4 + 8 * n_dims,
+                offset_at: at + 8 + 8 * n_dims,
+            };
+            at = e.offset_at + 8;
+            e
+        })
+        .collect()
+}
