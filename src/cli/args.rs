@@ -254,6 +254,19 @@ pub struct ServeArgs {
     /// Seconds a request may wait for a free cache; longer, it is answered 408 and dropped.
     #[arg(long, value_name = "SECS", default_value_t = 600.0)]
     pub request_timeout: f64,
+    /// Connections open at once (kept below the file limit); more wait to be accepted.
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds a connection may take to send a request's head, or stay idle between
+    /// requests; then it is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub header_timeout: f64,
+    /// Seconds a request's body may take to arrive; then it is answered 408.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub body_timeout: f64,
+    /// Seconds running requests get to finish after SIGINT/SIGTERM; then they are cancelled.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub shutdown_timeout: f64,
     #[command(flatten)]
     pub placement: Placement,
 }

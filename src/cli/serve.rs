@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::time::Duration;
 use tiny_decoder::loader::bundled;
-use tiny_decoder::serve::{self, Model, Options};
+use tiny_decoder::serve::{self, Limits, Model, Options};
 
 /// The context a request may fill unless `--context` says otherwise: llama.cpp's default,
 /// which bounds the caches of a model with a long context (each of `--max-batch` caches
@@ -27,13 +27,16 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         // An empty variable (`TINY_DECODER_API_KEY=`) means no key, as if unset.
         None => std::env::var(API_KEY_VAR).ok().filter(|k| !k.is_empty()),
     };
-    let request_timeout = match Duration::try_from_secs_f64(a.request_timeout) {
-        Ok(t) if !t.is_zero() => t,
-        _ => bail!(
-            "--request-timeout {}: must be a positive number of seconds",
-            a.request_timeout
-        ),
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    let limits = Limits {
+        max_connections: a.max_connections,
+        header_timeout: seconds("--header-timeout", a.header_timeout)?,
+        body_timeout: seconds("--body-timeout", a.body_timeout)?,
+        shutdown_timeout: seconds("--shutdown-timeout", a.shutdown_timeout)?,
     };
+    let request_timeout = seconds("--request-timeout", a.request_timeout)?;
     let name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
     let mut loaded = load(name, &a.placement)?;
     let max_context = loaded.model.config().max_position_embeddings;
@@ -64,8 +67,17 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         context,
         api_key,
         request_timeout,
+        limits,
     };
     Ok(serve::run(model, opts)?)
+}
+
+/// A flag's positive number of seconds.
+fn seconds(flag: &str, value: f64) -> Result<Duration> {
+    match Duration::try_from_secs_f64(value) {
+        Ok(t) if !t.is_zero() => Ok(t),
+        _ => bail!("{flag} {value}: must be a positive number of seconds"),
+    }
 }
 
 /// The id `/v1/models` lists: a directory's or file's name, else the argument itself (a

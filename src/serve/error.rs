@@ -107,6 +107,21 @@ impl ApiError {
         Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", m).with_code("request_timeout")
     }
 
+    /// 408: the request's body did not arrive within `--body-timeout`.
+    pub fn body_timed_out(timeout: Duration) -> Self {
+        let m = format!(
+            "the request body did not arrive within {} s (--body-timeout)",
+            timeout.as_secs_f64()
+        );
+        Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", m).with_code("body_timeout")
+    }
+
+    /// 413: the body is over the server's limit.
+    pub fn too_large(limit: usize) -> Self {
+        let m = format!("the request body is over {limit} bytes");
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", m)
+    }
+
     /// The error for an event that ends a request without a reply.
     pub fn ending(event: Event, timeout: Duration) -> Self {
         match event {

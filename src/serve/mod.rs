@@ -8,6 +8,7 @@
 
 mod error;
 mod fault;
+mod http;
 mod openai;
 mod queue;
 mod request;
@@ -15,6 +16,7 @@ mod routes;
 mod scheduler;
 mod sse;
 
+pub use http::Limits;
 pub use scheduler::PREFILL_PER_STEP;
 
 use crate::chat::ChatTemplate;
@@ -23,10 +25,9 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::loader::TextTokenizer;
 use crate::model::Transformer;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// How the server runs (the `serve` flags).
 #[derive(Debug, Clone)]
@@ -46,6 +47,8 @@ pub struct Options {
     pub api_key: Option<String>,
     /// How long a request may wait for a cache before it is answered 408.
     pub request_timeout: Duration,
+    /// Connections, header and body timeouts, and the drain at shutdown.
+    pub limits: Limits,
 }
 
 /// The model and what goes with it.
@@ -57,8 +60,8 @@ pub struct Model {
     pub generation: GenerationConfig,
 }
 
-/// Serves until SIGINT or SIGTERM, then lets running requests finish (a second signal
-/// cancels them) and returns.
+/// Serves until SIGINT or SIGTERM, then lets running requests finish for at most
+/// `--shutdown-timeout` (a second signal cancels them) and returns.
 pub fn run(m: Model, opts: Options) -> Result<()> {
     if opts.max_batch == 0 || opts.max_queue == 0 {
         return Err(Error::Invalid(
@@ -127,44 +130,5 @@ async fn listen(app: axum::Router, opts: &Options, cancel: Arc<AtomicBool>) -> R
         .map_err(|e| Error::Serve(format!("cannot read the bound address: {e}")))?;
     // Tests and scripts read this line for the port that `--port 0` picked.
     eprintln!("listening on http://{addr}");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown(cancel))
-        .await
-        .map_err(|e| Error::Serve(format!("the server stopped: {e}")))
-}
-
-/// Resolves at the first SIGINT or SIGTERM: axum stops accepting connections and waits for
-/// the open ones, so running requests finish. A second signal sets `cancel`, and the
-/// scheduler ends every request at its next step (streams get an error event, then
-/// `[DONE]`).
-async fn shutdown(cancel: Arc<AtomicBool>) {
-    let mut signals = signals();
-    if signals.recv().await.is_none() {
-        // No signal handler could be installed: serve until killed.
-        std::future::pending::<()>().await;
-    }
-    eprintln!("shutting down: no new requests; running ones finish (signal again to cancel them)");
-    tokio::spawn(async move {
-        if signals.recv().await.is_some() {
-            eprintln!("cancelling running requests");
-            cancel.store(true, Ordering::Relaxed);
-        }
-    });
-}
-
-/// One message per SIGINT (Ctrl-C) or SIGTERM.
-fn signals() -> UnboundedReceiver<()> {
-    let (tx, rx) = unbounded_channel();
-    let interrupts = tx.clone();
-    tokio::spawn(async move {
-        while tokio::signal::ctrl_c().await.is_ok() && interrupts.send(()).is_ok() {}
-    });
-    #[cfg(unix)]
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            while term.recv().await.is_some() && tx.send(()).is_ok() {}
-        }
-    });
-    rx
+    http::serve(listener, app, &opts.limits, cancel).await
 }

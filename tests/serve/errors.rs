@@ -147,13 +147,16 @@ fn sigterm_lets_a_running_stream_finish_and_exits_0() {
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
     let rest: Vec<String> = events.lines().map(|l| l.unwrap()).collect();
-    assert_eq!(
-        rest.iter()
-            .rev()
-            .find(|l| !l.is_empty())
-            .map(String::as_str),
-        Some("data: [DONE]")
-    );
+    let data: Vec<&str> = rest
+        .iter()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    // It finished, not cancelled: no error event, and the last chunk has its finish reason.
+    assert!(!data.iter().any(|d| d.contains("\"error\"")), "{data:?}");
+    let last: Value = serde_json::from_str(data[data.len() - 2]).unwrap();
+    let reason = &last["choices"][0]["finish_reason"];
+    assert!(reason == "length" || reason == "stop", "{last}");
     let status = server.terminate();
     assert!(status.success(), "{status:?}: {}", server.log());
     assert!(server.log().contains("shutting down"), "{}", server.log());

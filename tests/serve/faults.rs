@@ -2,11 +2,14 @@
 //! one, fails the requests in flight with 500 and the next request is served; a request that
 //! waits longer than `--request-timeout` for a cache is answered 408 and leaves the queue.
 //! A scheduler that panics again while failing its requests exits the process with 70.
+//! Clients that stall (silent connections, half-sent heads and bodies) are shed by the
+//! connection cap and the header and body timeouts, and do not hold up a shutdown.
 //! The faults are injected through `TINY_DECODER_FAULT`, which only debug builds read.
 
 use super::harness::Server;
 use serde_json::json;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 fn survives(fault: &str) {
@@ -109,4 +112,77 @@ fn a_request_that_waits_past_the_timeout_is_answered_408_and_leaves_the_queue() 
     );
     let (status, reply) = server.post("/v1/completions", &json!({"prompt": "A", "max_tokens": 2}));
     assert_eq!(status, 200, "{reply}");
+}
+
+/// A raw connection to `server` that has sent `bytes` and then stalls.
+fn stalled(server: &Server, bytes: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(server.url.trim_start_matches("http://")).unwrap();
+    s.write_all(bytes).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+const HALF_BODY: &[u8] = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\
+    Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"";
+
+#[test]
+fn stalled_clients_are_shed_and_a_normal_client_is_served() {
+    let args = [
+        "--max-connections",
+        "8",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+    ];
+    let server = Server::start(&args);
+    // Three times the cap: silent, and half-sent heads.
+    let mut held: Vec<TcpStream> = (0..24)
+        .map(|i| match i % 2 {
+            0 => stalled(&server, b""),
+            _ => stalled(&server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"),
+        })
+        .collect();
+    let mut body = stalled(&server, HALF_BODY);
+    let start = Instant::now();
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200);
+    let plain = json!({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0});
+    assert_eq!(server.post("/v1/completions", &plain).0, 200);
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "served after {:?}",
+        start.elapsed()
+    );
+    // The half-sent body was answered 408; the silent connections were closed.
+    let mut reply = String::new();
+    let _ = body.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply:?}");
+    assert!(reply.contains("body_timeout"), "{reply:?}");
+    let mut buf = [0u8; 64];
+    assert_eq!(
+        held[0].read(&mut buf).unwrap_or(0),
+        0,
+        "a silent connection stayed open"
+    );
+}
+
+#[test]
+fn sigterm_with_a_stalled_client_exits_within_the_shutdown_timeout() {
+    let mut server = Server::start(&["--shutdown-timeout", "1", "--body-timeout", "600"]);
+    let _body = stalled(&server, HALF_BODY);
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    let status = server.terminate();
+    assert!(status.success(), "{status:?}: {}", server.log());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "exited after {:?}",
+        start.elapsed()
+    );
+    assert!(
+        server.log().contains("--shutdown-timeout passed"),
+        "{}",
+        server.log()
+    );
 }
