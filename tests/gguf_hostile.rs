@@ -83,6 +83,12 @@ fn tensor_data_that_llama_cpp_refuses_is_refused() {
             Box::new(|b| set_u32(b, t[1].type_at, 99)),
             "type 99",
         ),
+        // Found by tests/fuzz_load.rs: an empty tensor reached candle's unaligned read.
+        (
+            "zero-dim",
+            Box::new(|b| set_u64(b, t[1].dims_at, 0)),
+            "a dimension is 0",
+        ),
         (
             "huge-dim",
             Box::new(|b| set_u64(b, t[1].dims_at, 1 << 62)),

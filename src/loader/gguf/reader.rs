@@ -294,6 +294,8 @@ fn tensor_info<R: Read + Seek>(c: &mut Cursor<R>) -> Parse<TensorInfo> {
     let mut dims = Vec::with_capacity(n_dims);
     for _ in 0..n_dims {
         match c.u64()? {
+            // llama.cpp allows 0; no weight is empty, and candle cannot read one.
+            0 => return Err("a dimension is 0".into()),
             d if d > i64::MAX as u64 => return Err(format!("a dimension is {d}")),
             d => dims.push(d as usize),
         }
