@@ -143,13 +143,16 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
     let req: CompletionRequest = parse(&body)?;
     check_model(&s, &req.params)?;
     let encode = |text: &str| {
-        s.tokenizer
-            .encode(text)
-            .map_err(|e| ApiError::bad_field("prompt", e.to_string()))
+        let text = text.to_string();
+        off_workers(&s, move |s| {
+            s.tokenizer
+                .encode(&text)
+                .map_err(|e| ApiError::bad_field("prompt", e.to_string()))
+        })
     };
     let prompt = match &req.prompt {
-        Prompt::Text(t) => encode(t)?,
-        Prompt::Texts(t) if t.len() == 1 => encode(&t[0])?,
+        Prompt::Text(t) => encode(t).await?,
+        Prompt::Texts(t) if t.len() == 1 => encode(&t[0]).await?,
         Prompt::Texts(t) => {
             let m = format!(
                 "{} prompts in one request: send one prompt per request",
@@ -165,14 +168,14 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
 async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
     let req: ChatRequest = parse(&body)?;
     check_model(&s, &req.params)?;
-    let Some(template) = &s.template else {
+    if s.template.is_none() {
         let m = format!(
             "{} has no chat template (chat_template.jinja or tokenizer_config.json): \
              send plain text to /v1/completions",
             s.model_id
         );
         return Err(ApiError::bad_request(m));
-    };
+    }
     if req.messages.is_empty() {
         return Err(ApiError::bad_field(
             "messages",
@@ -187,14 +190,26 @@ async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
             content: content.unwrap_or_default(),
         });
     }
-    let text = template
-        .render(&messages, true)
-        .map_err(|e| ApiError::bad_field("messages", e.to_string()))?;
-    let prompt = s
-        .tokenizer
-        .encode_plain(&text)
-        .map_err(|e| ApiError::bad_field("messages", e.to_string()))?;
+    let prompt = off_workers(&s, move |s| {
+        let bad = |e: crate::error::Error| ApiError::bad_field("messages", e.to_string());
+        let template = s.template.as_ref().expect("checked above");
+        let text = template.render(&messages, true).map_err(bad)?;
+        s.tokenizer.encode_plain(&text).map_err(bad)
+    })
+    .await?;
     respond(&s, prompt, &req.params, true).await
+}
+
+/// Runs `work` (templating, tokenizing: CPU-bound for a long prompt) on tokio's blocking
+/// threads, so that the two async workers stay free for `/health` and cheap refusals.
+async fn off_workers<T: Send + 'static>(
+    s: &Shared,
+    work: impl FnOnce(&Served) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || work(&s))
+        .await
+        .unwrap_or_else(|_| Err(ApiError::internal("preparing the request failed (a bug)")))
 }
 
 /// Queues the request and replies: the whole text, or a stream of it.
