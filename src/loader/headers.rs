@@ -43,10 +43,49 @@ impl TensorInfo {
 struct RawInfo {
     dtype: String,
     shape: Vec<usize>,
+    data_offsets: [u64; 2],
 }
 
-/// Parses a header's JSON (the bytes after the 8-byte length).
-fn parse(json: &[u8], what: &Path) -> Result<Vec<TensorInfo>> {
+/// Bytes per element of a safetensors dtype; `None` for one we do not know (sub-byte or
+/// new types), whose byte range is then only checked to lie in the data.
+fn dtype_bytes(dtype: &str) -> Option<u64> {
+    match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => Some(1),
+        "U16" | "I16" | "F16" | "BF16" => Some(2),
+        "U32" | "I32" | "F32" => Some(4),
+        "U64" | "I64" | "F64" => Some(8),
+        _ => None,
+    }
+}
+
+/// The tensor's shape and byte range agree with each other and with the `data` bytes the
+/// file holds after its header, by checked arithmetic.
+fn check_sizes(name: &str, raw: &RawInfo, data: u64) -> std::result::Result<(), String> {
+    let count = raw
+        .shape
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+    let [begin, end] = raw.data_offsets;
+    if begin > end || end > data {
+        return Err(format!(
+            "tensor {name}: bytes {begin}..{end} are not inside the {data} bytes of data"
+        ));
+    }
+    match (count, dtype_bytes(&raw.dtype)) {
+        (None, _) => Err(format!("tensor {name}: shape {:?} is too large", raw.shape)),
+        (Some(n), Some(b)) if n.checked_mul(b) != Some(end - begin) => Err(format!(
+            "tensor {name}: shape {:?} of {} needs {} bytes, its range holds {}",
+            raw.shape,
+            raw.dtype,
+            n.saturating_mul(b),
+            end - begin
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Parses a header's JSON (the bytes after the 8-byte length), followed by `data` bytes.
+fn parse(json: &[u8], data: u64, what: &Path) -> Result<Vec<TensorInfo>> {
     let map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(json)
         .map_err(|e| Error::file(what, format!("not a safetensors file: bad header: {e}")))?;
     map.into_iter()
@@ -54,6 +93,7 @@ fn parse(json: &[u8], what: &Path) -> Result<Vec<TensorInfo>> {
         .map(|(name, v)| {
             let raw: RawInfo = serde_json::from_value(v)
                 .map_err(|e| Error::file(what, format!("bad header entry for {name}: {e}")))?;
+            check_sizes(&name, &raw, data).map_err(|e| Error::file(what, e))?;
             Ok(TensorInfo {
                 name,
                 dtype: raw.dtype,
@@ -81,7 +121,7 @@ pub fn read_file(path: &Path) -> Result<Vec<TensorInfo>> {
     }
     let mut json = vec![0u8; n as usize];
     f.read_exact(&mut json).map_err(|e| Error::file(path, e))?;
-    parse(&json, path)
+    parse(&json, size - 8 - n, path)
 }
 
 /// The tensors of a safetensors file held in memory (a bundled model).
@@ -93,10 +133,8 @@ pub fn read_bytes(bytes: &[u8], what: &Path) -> Result<Vec<TensorInfo>> {
         .try_into()
         .map_err(|_| bad())?;
     let n = usize::try_from(u64::from_le_bytes(len)).map_err(|_| bad())?;
-    parse(
-        bytes.get(8..8usize.saturating_add(n)).ok_or_else(bad)?,
-        what,
-    )
+    let json = bytes.get(8..8usize.saturating_add(n)).ok_or_else(bad)?;
+    parse(json, (bytes.len() - 8 - n) as u64, what)
 }
 
 /// The tensors of every file of a checkpoint, refusing quantized ones (see
