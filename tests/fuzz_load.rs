@@ -198,3 +198,85 @@ fn the_gguf_the_cases_mutate_loads() {
     let source = loader::open(path.to_str().unwrap()).unwrap();
     source.load(DTypeArg::Auto, &Device::Cpu).unwrap();
 }
+
+/// Pieces of chat templates, hostile ones among them, with numbers set to extremes.
+fn template_piece() -> impl Strategy<Value = String> {
+    let n = prop_oneof![
+        Just(0i64),
+        Just(-1),
+        Just(1 << 20),
+        Just(i64::MAX),
+        0i64..100_000
+    ];
+    prop_oneof![
+        Just("{{ messages | tojson }}".to_string()),
+        n.clone()
+            .prop_map(|n| format!("{{{{ messages | tojson(indent={n}) }}}}")),
+        n.clone()
+            .prop_map(|n| format!("{{% for i in range({n}) %}}")),
+        Just("{% endfor %}".to_string()),
+        n.clone().prop_map(|n| format!("{{{{ 'ab' * {n} }}}}")),
+        n.clone().prop_map(|n| format!(
+            "{{% set ns = namespace(s='x') %}}{{% for i in range({n}) %}}\
+             {{% set ns.s = ns.s ~ ns.s %}}{{% endfor %}}{{{{ ns.s | length }}}}"
+        )),
+        n.prop_map(|n| format!("{{{{ messages[{n}]['content'] }}}}")),
+        Just("{{ raise_exception('refused') }}".to_string()),
+        Just("{{ strftime_now('%Y-%m-%d %H:%M %j %%') }}".to_string()),
+        Just(
+            "{% for m in messages %}{{ m.role }}: {{ m.content.strip() }}{% endfor %}".to_string()
+        ),
+        Just("{{ bos_token }}{% if add_generation_prompt %}<|assistant|>{% endif %}".to_string()),
+        "[ -~]{0,24}",
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A template from a checkpoint compiles and renders, or fails with an error, within a
+    /// second: never a panic, an abort or a render without end.
+    #[test]
+    fn hostile_chat_templates_end_in_an_answer(pieces in prop::collection::vec(template_piece(), 1..6)) {
+        use tiny_decoder::chat::{ChatTemplate, Message};
+        let source = pieces.concat();
+        let start = std::time::Instant::now();
+        if let Ok(t) = ChatTemplate::new(&source, Some("<s>"), Some("</s>")) {
+            let msg = |role: &str| Message { role: role.into(), content: " hi ".into() };
+            let _ = t.render(&[msg("system"), msg("user")], true);
+        }
+        prop_assert!(start.elapsed().as_secs_f64() < 2.0, "{source}: {:?}", start.elapsed());
+    }
+
+    /// tokenizer_config.json with its fields set to other types and values.
+    #[test]
+    fn mutated_tokenizer_config_never_panics(
+        edits in prop::collection::vec((0usize..5, json_value(), template_piece()), 1..4)
+    ) {
+        let dir = scratch("tokenizer-config");
+        let fields = ["add_bos_token", "add_eos_token", "bos_token", "eos_token", "chat_template"];
+        let mut config = serde_json::json!({});
+        for (field, value, piece) in edits {
+            config[fields[field]] = match fields[field] {
+                "chat_template" if value.is_string() => Value::from(piece),
+                "chat_template" => serde_json::json!([{"name": "default", "template": piece}]),
+                _ => value,
+            };
+        }
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        // As generate does: load, then compile and render the template if there is one.
+        let Ok(files) = loader::resolve(dir.to_str().unwrap()) else { return Ok(()) };
+        let Ok(loaded) = loader::load(&files, DType::F32, &Device::Cpu) else { return Ok(()) };
+        let meta = &loaded.meta;
+        if let Some(source) = &meta.chat_template {
+            use tiny_decoder::chat::{ChatTemplate, Message};
+            let (bos, eos) = (meta.bos_token.as_deref(), meta.eos_token.as_deref());
+            if let Ok(t) = ChatTemplate::new(source, bos, eos) {
+                let _ = t.render(&[Message { role: "user".into(), content: "hi".into() }], true);
+            }
+        }
+        if let Some(tokenizer) = &loaded.tokenizer {
+            let _ = tokenizer.encode("hi there");
+        }
+    }
+}
