@@ -89,7 +89,7 @@ fn bad_requests_answer_400_404_and_the_server_keeps_serving() {
 
 #[test]
 fn bad_chat_requests_answer_400() {
-    let dir = tiny_with_template("mistral");
+    let dir = tiny_with_template("mistral", "bad-chat");
     let server = Server::start(&["-m", dir.to_str().unwrap()]);
     let chat = "/v1/chat/completions";
     let cases = [
@@ -193,7 +193,7 @@ fn a_hostile_chat_template_answers_400_and_the_server_stays_up() {
         ),
     ];
     for (source, says) in templates {
-        let dir = tiny_with_template("mistral");
+        let dir = tiny_with_template("mistral", "hostile-template");
         std::fs::write(dir.join("chat_template.jinja"), source).unwrap();
         let server = Server::start(&["-m", dir.to_str().unwrap()]);
         let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;

@@ -1,8 +1,10 @@
 //! `tiny-decoder serve` over HTTP, as a client sees it: both endpoints whole and streamed,
 //! greedy replies equal to `generate`'s (16 at once through the batching scheduler), a
-//! client that leaves mid-stream, a full queue, every bad request, and a clean shutdown.
+//! client that leaves mid-stream, a full queue, every bad request, a clean shutdown, the
+//! faults and stalled clients it survives, and fuzzed requests.
 //! The bundled tiny-gqa runs everywhere; chat uses a copy of it with a chat template.
 
+mod fuzz;
 mod harness;
 
 use harness::{finish_reason, generate, streamed_text, Server};
@@ -12,11 +14,11 @@ use std::path::PathBuf;
 
 const MODEL: &str = "tiny-gqa";
 
-/// models/tiny-gqa copied to a scratch directory with a chat template (`template`, from
-/// tests/data/chat_templates).
-fn tiny_with_template(template: &str) -> PathBuf {
+/// models/tiny-gqa copied to a scratch directory of its own (`case`: tests run at once) with
+/// a chat template (`template`, from tests/data/chat_templates).
+fn tiny_with_template(template: &str, case: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-{template}"));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-{case}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for entry in std::fs::read_dir(root.join("models/tiny-gqa")).unwrap() {
@@ -128,7 +130,7 @@ fn completions_whole_and_streamed_equal_generate() {
 
 #[test]
 fn chat_completions_use_the_template_whole_and_streamed() {
-    let dir = tiny_with_template("smollm2");
+    let dir = tiny_with_template("smollm2", "chat");
     let m = dir.to_str().unwrap();
     let server = Server::start(&["-m", m]);
     let id = dir.file_name().unwrap().to_str().unwrap();
