@@ -219,3 +219,21 @@ fn a_million_byte_token_is_refused_before_the_merges_are_rebuilt() {
     let expect = "tokenizer.ggml.tokens has token 5 of 1000000 bytes, more than 1024";
     refused_by(&path, expect, &["generate"]);
 }
+
+#[test]
+fn merges_from_scores_are_bounded_before_they_are_rebuilt() {
+    // A SentencePiece vocabulary of 300 tokens of 1,000 bytes: each under the length limit,
+    // but the splits to look up (Σ len²) are over the budget.
+    let edit = |meta: &mut Vec<(String, Value)>| {
+        meta.retain(|(k, _)| !k.starts_with("tokenizer."));
+        let tokens: Vec<Value> = (0..300)
+            .map(|i| Value::String(format!("{i:04}{}", "a".repeat(996))))
+            .collect();
+        meta.push(("tokenizer.ggml.model".into(), Value::String("llama".into())));
+        meta.push(("tokenizer.ggml.tokens".into(), Value::Array(tokens)));
+        let scores = vec![Value::F32(0.0); 300];
+        meta.push(("tokenizer.ggml.scores".into(), Value::Array(scores)));
+    };
+    let path = to_gguf("llama-mha-tied", "hostile-merge-work.gguf", edit);
+    refused_by(&path, "too long to rebuild merges from", &["generate"]);
+}

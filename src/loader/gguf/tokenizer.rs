@@ -211,6 +211,16 @@ fn sentencepiece_bpe(meta: &Meta, tokens: &[&str]) -> Result<Tokenizer> {
                 let msg = format!("has {} entries for {} tokens", scores.len(), tokens.len());
                 return Err(meta.error("tokenizer.ggml.scores", msg));
             }
+            // Every split of every token is looked up: bound the whole (real vocabularies
+            // need a few million; 2^28 is about a second).
+            let work: u64 = tokens.iter().map(|t| (t.len() as u64).pow(2)).sum();
+            if work > 1 << 28 {
+                let msg = format!(
+                    "are too long to rebuild merges from (the squares of their lengths sum \
+                     to {work}, more than 2^28)"
+                );
+                return Err(meta.error("tokenizer.ggml.tokens", msg));
+            }
             merges_from_scores(tokens, &scores, &vocab)
         }
     };
