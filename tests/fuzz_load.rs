@@ -234,8 +234,9 @@ fn template_piece() -> impl Strategy<Value = String> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// A template from a checkpoint compiles and renders, or fails with an error, within a
-    /// second: never a panic, an abort or a render without end.
+    /// A template from a checkpoint compiles and renders, or fails with an error, in bounded
+    /// time (its fuel makes it well under a second; 20 s leaves room for a loaded host):
+    /// never a panic, an abort or a render without end.
     #[test]
     fn hostile_chat_templates_end_in_an_answer(pieces in prop::collection::vec(template_piece(), 1..6)) {
         use tiny_decoder::chat::{ChatTemplate, Message};
@@ -245,7 +246,7 @@ proptest! {
             let msg = |role: &str| Message { role: role.into(), content: " hi ".into() };
             let _ = t.render(&[msg("system"), msg("user")], true);
         }
-        prop_assert!(start.elapsed().as_secs_f64() < 2.0, "{source}: {:?}", start.elapsed());
+        prop_assert!(start.elapsed().as_secs_f64() < 20.0, "{source}: {:?}", start.elapsed());
     }
 
     /// tokenizer_config.json with its fields set to other types and values.

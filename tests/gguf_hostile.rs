@@ -1,7 +1,7 @@
 //! GGUF files a stranger could hand us, refused in one line as llama.cpp's `gguf.cpp`
 //! refuses them (or sooner): tensor data misaligned, overlapping or relabelled with another
 //! type, a dimension of 2^62, `general.alignment` 0, a float key stored as an integer, a NaN
-//! epsilon, a 1,000,000-byte token and a huge array; each within seconds. A large array the
+//! epsilon, a 1,000,000-byte token and a huge array; each in bounded time. A large array the
 //! loader never reads is skipped, and the file still loads.
 
 mod common;
@@ -22,8 +22,9 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
     path
 }
 
-/// `generate` and `info` on `path` fail with `expect` in one line naming the file, within
-/// 5 s.
+/// `generate` and `info` on `path` fail with `expect` in one line naming the file, in
+/// bounded time (20 s here, loose for a loaded CI host: unbounded, the long token took 39 s
+/// and the large array aborted; measured without load, each is refused in well under 5 s).
 fn refused(path: &std::path::Path, expect: &str) {
     refused_by(path, expect, &["info", "generate"]);
 }
@@ -39,7 +40,7 @@ fn refused_by(path: &std::path::Path, expect: &str, commands: &[&str]) {
         let stderr = fails(&args, &[], expect);
         assert!(stderr.contains(arg), "{stderr}");
         assert!(
-            start.elapsed() < Duration::from_secs(5),
+            start.elapsed() < Duration::from_secs(20),
             "{args:?} took {:?}",
             start.elapsed()
         );
@@ -199,7 +200,7 @@ fn a_large_array_the_loader_never_reads_is_skipped() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        start.elapsed() < Duration::from_secs(5),
+        start.elapsed() < Duration::from_secs(20),
         "took {:?}",
         start.elapsed()
     );

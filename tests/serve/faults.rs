@@ -150,7 +150,7 @@ fn stalled_clients_are_shed_and_a_normal_client_is_served() {
     let plain = json!({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0});
     assert_eq!(server.post("/v1/completions", &plain).0, 200);
     assert!(
-        start.elapsed() < Duration::from_secs(15),
+        start.elapsed() < Duration::from_secs(30),
         "served after {:?}",
         start.elapsed()
     );
@@ -176,7 +176,7 @@ fn sigterm_with_a_stalled_client_exits_within_the_shutdown_timeout() {
     let status = server.terminate();
     assert!(status.success(), "{status:?}: {}", server.log());
     assert!(
-        start.elapsed() < Duration::from_secs(5),
+        start.elapsed() < Duration::from_secs(10),
         "exited after {:?}",
         start.elapsed()
     );

@@ -187,7 +187,7 @@ fn read_messages_names_the_bad_entry() {
 }
 
 /// Templates that would abort or never end, from a hostile checkpoint: each is an error
-/// within a second, and a real template still renders a long conversation.
+/// in bounded time (well under a second unloaded; 10 s allowed), and a real template still renders a long conversation.
 #[test]
 fn hostile_templates_are_bounded() {
     let cases = [
@@ -212,7 +212,7 @@ fn hostile_templates_are_bounded() {
             .to_string();
         assert!(text.contains(expect), "{source}: {text}");
         assert!(
-            start.elapsed().as_secs_f64() < 1.0,
+            start.elapsed().as_secs_f64() < 10.0,
             "{source}: {:?}",
             start.elapsed()
         );
