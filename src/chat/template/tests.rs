@@ -186,8 +186,9 @@ fn read_messages_names_the_bad_entry() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Templates that would abort or never end, from a hostile checkpoint: each is an error
-/// in bounded time (well under a second unloaded; 10 s allowed), and a real template still renders a long conversation.
+/// Templates that would abort or never end, from a hostile checkpoint: each is an error in
+/// bounded time (well under a second unloaded; 10 s allowed), and a real template still
+/// renders a long conversation.
 #[test]
 fn hostile_templates_are_bounded() {
     let cases = [
