@@ -184,9 +184,12 @@ fn without_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         rest = &rest[start..];
-        let Some(end) = rest.find("%}") else { break };
+        // The closing mark after the opening one: in `{%}` the `%}` overlaps `{%`.
+        let Some(end) = rest[2..].find("%}").map(|e| e + 2) else {
+            break;
+        };
         let tag = &rest[..end + 2];
-        let inner = tag[2..tag.len() - 2].trim_matches(['-', '+']).trim();
+        let inner = tag[2..end].trim_matches(['-', '+']).trim();
         match inner {
             "generation" => out.push_str(&tag.replacen("generation", "with", 1)),
             "endgeneration" => out.push_str(&tag.replacen("endgeneration", "endwith", 1)),

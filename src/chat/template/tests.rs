@@ -225,3 +225,15 @@ fn hostile_templates_are_bounded() {
         .collect();
     assert!(t.render(&long, true).unwrap().len() > 2000 * 250);
 }
+
+/// Found by tests/fuzz_load.rs: a `{%` whose `%` is also the start of `%}` panicked in the
+/// generation-tag rewrite; now it is minijinja's syntax error, like any other.
+#[test]
+fn overlapping_tag_marks_are_a_syntax_error() {
+    for source in ["{%}", "a{%}b", "{%%}", "{%-}"] {
+        let err = ChatTemplate::new(source, None, None).expect_err(source);
+        assert!(err.to_string().contains("syntax error"), "{source}: {err}");
+    }
+    let ok = ChatTemplate::new("{% generation %}x{% endgeneration %}", None, None).unwrap();
+    assert_eq!(ok.render(&[], false).unwrap(), "x");
+}
