@@ -18,13 +18,14 @@
 //!
 //! Still different (found by rendering probes through transformers' own environment; none
 //! is used by the templates in tests/data/chat_templates): `strftime_now` formats the UTC
-//! time (transformers: local time) and knows only the directives in `py::strftime`;
+//! time (transformers: local time) and knows only the directives in `time::strftime`;
 //! `tojson` takes keyword arguments only; Python's `'%s' % x`, a few rarer str methods and
 //! filters (`center`, `rsplit`, `wordcount`) are missing; floats print without exponents
 //! (`1e+16` as `10000000000000000.0`); what the sandbox refuses with a SecurityError
 //! (`list.append`, `namespace(_x=..)`) is another error here, or allowed.
 
 mod py;
+mod time;
 
 use crate::error::{Error, Result};
 use minijinja::value::{Serde, Value};
@@ -75,7 +76,7 @@ impl ChatTemplate {
         env.set_fuel(Some(FUEL));
         env.add_filter("tojson", py::tojson);
         env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", |format: &str| py::strftime_now(format));
+        env.add_function("strftime_now", |format: &str| time::strftime_now(format));
         // jinja2's `sequence` test: anything with a length (str and dict included).
         env.add_test("sequence", |v: &Value| v.len().is_some());
         // jinja2 reads "\r\n" and "\r" in a template (text and string literals) as "\n".

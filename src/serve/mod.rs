@@ -6,6 +6,7 @@
 //! `request`, batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
+mod checks;
 mod error;
 mod fault;
 mod http;

@@ -1,7 +1,7 @@
 //! Unit tests of the jinja2 behaviours transformers relies on; the four real templates are
 //! checked against transformers' own renders in tests/chat_templates.rs.
 
-use super::py::strftime;
+use super::time::strftime;
 use super::*;
 
 fn msg(role: &str, content: &str) -> Message {

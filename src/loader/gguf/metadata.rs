@@ -32,17 +32,20 @@ fn int(v: &Value) -> Option<i64> {
 /// A finite float; an integer is refused, as llama.cpp refuses it (a float's bits written as
 /// an integer would read as another number).
 fn float(v: &Value) -> Option<f64> {
+    any_float(v).filter(|x| x.is_finite())
+}
+
+fn any_float(v: &Value) -> Option<f64> {
     match *v {
-        Value::F32(x) if x.is_finite() => Some(x.into()),
-        Value::F64(x) if x.is_finite() => Some(x),
+        Value::F32(x) => Some(x.into()),
+        Value::F64(x) => Some(x),
         _ => None,
     }
 }
 
 fn type_name(v: &Value) -> &'static str {
     match v {
-        Value::F32(x) if !x.is_finite() => "not finite",
-        Value::F64(x) if !x.is_finite() => "not finite",
+        Value::F32(_) | Value::F64(_) if float(v).is_none() => "not finite",
         Value::F32(_) | Value::F64(_) => "a float",
         Value::Bool(_) => "a bool",
         Value::String(_) => "a string",
@@ -149,10 +152,6 @@ impl Meta<'_> {
 
     pub fn opt_floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
         // Scores may be -inf (a token never merged into): any float, but not an integer.
-        self.array(key, "an array of floats", |v| match *v {
-            Value::F32(x) => Some(x.into()),
-            Value::F64(x) => Some(x),
-            _ => None,
-        })
+        self.array(key, "an array of floats", any_float)
     }
 }

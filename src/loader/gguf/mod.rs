@@ -154,7 +154,7 @@ impl GgufFile {
                 GgmlDType::BF16 => 2,
                 _ => 3,
             };
-            bytes[slot].1 += (t.shape.elem_count() / d.block_size() * d.type_size()) as u64;
+            bytes[slot].1 += reader::byte_size(t).unwrap_or_default(); // checked at open
         }
         bytes
             .into_iter()

@@ -11,6 +11,9 @@
 //! and byte size in range; each tensor's data starting where the previous one's padded data
 //! ends, in declaration order, and inside the file. Arrays the loader never reads (all but
 //! `tokenizer.ggml.*`) are skipped, not materialised, when they are large.
+//!
+//! Over 300 lines on purpose: one format's header, read and checked in one pass; the checks
+//! read best beside the reads they guard.
 
 use crate::error::{Error, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
@@ -323,8 +326,9 @@ fn tensor_info<R: Read + Seek>(c: &mut Cursor<R>) -> Parse<TensorInfo> {
     })
 }
 
-/// Bytes of a tensor's data, by checked arithmetic.
-pub fn byte_size(t: &TensorInfo) -> Option<u64> {
+/// Bytes of a tensor's data, by checked arithmetic (`None` only for a table not checked
+/// here: every `Content` this module returns has sizes that fit).
+pub(super) fn byte_size(t: &TensorInfo) -> Option<u64> {
     let blocks = t
         .shape
         .dims()

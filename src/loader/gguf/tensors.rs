@@ -137,7 +137,8 @@ impl GgufTensors {
         for (name, t) in &self.content.tensor_infos {
             let taken = hf_name(name).is_some_and(|h| keeps_blocks(&h));
             if taken && is_blocks(t.ggml_dtype) {
-                let n = t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size();
+                // Every size fits: the reader checked them at open.
+                let n = super::reader::byte_size(t).unwrap_or_default() as usize;
                 match bytes.iter_mut().find(|(q, _)| *q == t.ggml_dtype) {
                     Some(e) => e.1 += n,
                     None => bytes.push((t.ggml_dtype, n)),

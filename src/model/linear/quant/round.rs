@@ -1,7 +1,8 @@
 //! Rounding f32 to blocks as ggml's reference quantizers do: weights at load (`--dtype
-//! q8_0|q4_0`, and Q4_1 for the tests) and the rows of x, in Q8_0, at every product.
+//! q8_0|q4_0`, and Q4_1 for the tests) and the rows of x, in Q8_0, at every product; and
+//! blocks back to f32 (prompt products through `gemm`, and the tests' reference).
 
-use super::{QRows, BLOCK};
+use super::{Format, QRows, QWeight, BLOCK};
 
 impl QRows {
     /// Quantizes each row of `x` (rows of `cols`) to Q8_0 blocks.
@@ -63,4 +64,78 @@ pub(super) fn quantize_q4_1(x: &[f32], q: &mut [u8]) -> (f32, f32) {
         q[i] = level(x[i]) | (level(x[i + BLOCK / 2]) << 4);
     }
     (d, min)
+}
+
+impl QWeight {
+    /// The weights back in f32 (tests, and a reference).
+    pub fn dequantize(&self) -> Vec<f32> {
+        (0..self.scales.len())
+            .flat_map(|b| self.values(b))
+            .collect()
+    }
+
+    /// `W[r0 + r, c0 + c]` at `buf[c · rows + r]` for r < rows, c < cols (the layout `gemm`
+    /// reads, as `prefill`'s widened bf16); returns the `rows · cols` values written.
+    ///
+    /// # Panics
+    /// If the block is outside W or its columns are not whole blocks.
+    pub fn dequantize_transposed<'a>(
+        &self,
+        (r0, rows): (usize, usize),
+        (c0, cols): (usize, usize),
+        buf: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        assert!(
+            r0 + rows <= self.rows && c0 + cols <= self.cols && (c0 | cols) % BLOCK == 0,
+            "dequantize: block ({r0}+{rows}, {c0}+{cols}) is not whole blocks of {}x{}",
+            self.rows,
+            self.cols
+        );
+        if buf.len() < rows * cols {
+            buf.resize(rows * cols, 0.0);
+        }
+        let out = &mut buf[..rows * cols];
+        let per_row = self.cols / BLOCK;
+        for r in 0..rows {
+            for cb in 0..cols / BLOCK {
+                let values = self.values((r0 + r) * per_row + c0 / BLOCK + cb);
+                for (j, v) in values.into_iter().enumerate() {
+                    out[(cb * BLOCK + j) * rows + r] = v;
+                }
+            }
+        }
+        out
+    }
+
+    /// Block `b`'s 32 weights in f32: `d · q + c`, with c = -8·d for Q4_0 and the minimum
+    /// for Q4_1 (the one decoding of a block; the kernels keep q as integers instead).
+    fn values(&self, b: usize) -> [f32; BLOCK] {
+        let d = self.scales[b].to_f32();
+        let mut out = [0f32; BLOCK];
+        match self.format {
+            Format::Q8_0 => {
+                let q = &self.quants[b * BLOCK..(b + 1) * BLOCK];
+                for (v, &q) in out.iter_mut().zip(q) {
+                    *v = d * (q as i8) as f32;
+                }
+            }
+            Format::Q4_0 | Format::Q4_1 => {
+                let c = match self.format {
+                    Format::Q4_0 => -8.0 * d,
+                    _ => self.min(b),
+                };
+                let q = &self.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                for (j, &q) in q.iter().enumerate() {
+                    out[j] = d * (q & 0x0F) as f32 + c;
+                    out[j + BLOCK / 2] = d * (q >> 4) as f32 + c;
+                }
+            }
+        }
+        out
+    }
+
+    /// Block `b`'s minimum (0 but for Q4_1).
+    pub(super) fn min(&self, b: usize) -> f32 {
+        self.mins.get(b).map_or(0.0, |m| m.to_f32())
+    }
 }
