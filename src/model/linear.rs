@@ -105,6 +105,13 @@ impl Linear {
             GgmlDType::Q8_0 => Some(Format::Q8_0),
             GgmlDType::Q4_0 => Some(Format::Q4_0),
             GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q5_0 => Some(Format::Q5_0),
+            GgmlDType::Q5_1 => Some(Format::Q5_1),
+            GgmlDType::Q2K => Some(Format::Q2K),
+            GgmlDType::Q3K => Some(Format::Q3K),
+            GgmlDType::Q4K => Some(Format::Q4K),
+            GgmlDType::Q5K => Some(Format::Q5K),
+            GgmlDType::Q6K => Some(Format::Q6K),
             _ => None,
         }
         .filter(|_| dev.is_cpu());

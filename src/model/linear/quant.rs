@@ -1,5 +1,5 @@
 //! Weights in ggml's block formats and their product with f32 rows, on our pool: the CPU
-//! path of `--dtype q8_0|q4_0`.
+//! path of `--dtype q8_0|q4_0` and of every block format a GGUF file holds.
 //!
 //! A block is 32 consecutive weights of a row with one f16 scale `d`: Q8_0 stores
 //! `round(w / d)` as i8 (d = max|w| / 127), Q4_0 stores `w / d + 8` as 4-bit values
@@ -9,11 +9,16 @@
 //! block's dot product is an integer one, scaled by `d_w · d_x` (plus `m_w` times the x
 //! block's sum for Q4_1) (`simd`: AVX2's `maddubs`, as llama.cpp; a scalar loop elsewhere).
 //!
+//! The formats with integer sub-scales (the K-quants Q2_K ... Q6_K) and the 5-bit ones
+//! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
+//! ([`kquant`]), against the same Q8_0 rows of x.
+//!
 //! Why not candle's `QMatMul`: it runs on its own spinning thread pool, which on a 2-core
 //! host fights ours and any other process; SmolLM2-135M Q8_0 decode spent 48% of its time
 //! spinning in candle's barrier and 7% in the dot product (1.3 tok/s against f32's 7.0 in
 //! the same loaded minute, AVX2 host). candle's kernels stay for CUDA.
 
+mod kquant;
 mod round;
 mod simd;
 
@@ -24,20 +29,58 @@ use round::{quantize_q4, quantize_q4_1, quantize_q8};
 /// Weights per block.
 pub const BLOCK: usize = 32;
 
-/// The block formats we multiply on CPU.
+/// The block formats we multiply on CPU: every one of ggml's that GGUF files people
+/// download are made of (llama.cpp's `_S/_M/_L` mixes are these per tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl Format {
-    /// Bytes of quants per block (the scales are apart).
+    /// Whether the format's scales are kept apart from its quants (Q8_0, Q4_0, Q4_1, which
+    /// we also quantize to); the others stay in ggml's blocks ([`kquant`]).
+    fn split(self) -> bool {
+        matches!(self, Format::Q8_0 | Format::Q4_0 | Format::Q4_1)
+    }
+
+    /// Weights per block in ggml's layout: 32, or 256 for a K-quant's superblock.
+    pub fn block_weights(self) -> usize {
+        match self {
+            Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K => kquant::QK_K,
+            _ => BLOCK,
+        }
+    }
+
+    /// Bytes of one block in ggml's layout (ggml's `type_size`).
+    fn ggml_bytes(self) -> usize {
+        match self {
+            Format::Q8_0 => 34,
+            Format::Q4_0 => 18,
+            Format::Q4_1 => 20,
+            Format::Q5_0 => 22,
+            Format::Q5_1 => 24,
+            Format::Q2K => 84,
+            Format::Q3K => 110,
+            Format::Q4K => 144,
+            Format::Q5K => 176,
+            Format::Q6K => 210,
+        }
+    }
+
+    /// Bytes of quants per block of a split format (its scales are apart).
     fn quant_bytes(self) -> usize {
         match self {
             Format::Q8_0 => BLOCK,
-            Format::Q4_0 | Format::Q4_1 => BLOCK / 2,
+            _ => BLOCK / 2,
         }
     }
 
@@ -63,7 +106,8 @@ pub struct QWeight {
     scales: Vec<f16>,
     /// Q4_1: one minimum per block; empty otherwise.
     mins: Vec<f16>,
-    /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights.
+    /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights; the other formats:
+    /// ggml's blocks as the file stores them, scales included.
     quants: Vec<u8>,
 }
 
@@ -73,13 +117,21 @@ pub struct QRows {
     scales: Vec<f32>,
     /// Per block, `d · Σ q`: what a Q4_1 weight block's minimum multiplies.
     sums: Vec<f32>,
+    /// The same per half block (16 values): what the sub-block minimums of [`kquant`]'s
+    /// formats multiply.
+    sums16: Vec<f32>,
     quants: Vec<i8>,
 }
 
 impl QWeight {
-    /// Quantizes `w` (rows × cols, row-major); `None` when cols is not whole blocks.
+    /// Quantizes `w` (rows × cols, row-major); `None` when cols is not whole blocks, or for
+    /// a format we only read (all but Q8_0, Q4_0 and Q4_1).
     pub fn quantize(format: Format, w: &[f32], cols: usize) -> Option<Self> {
-        if cols == 0 || !cols.is_multiple_of(BLOCK) || !w.len().is_multiple_of(cols) {
+        if !format.split()
+            || cols == 0
+            || !cols.is_multiple_of(BLOCK)
+            || !w.len().is_multiple_of(cols)
+        {
             return None;
         }
         let blocks = w.len() / BLOCK;
@@ -98,6 +150,7 @@ impl QWeight {
                     mins.push(f16::from_f32(m));
                     d
                 }
+                _ => unreachable!("{format:?} is refused above"),
             };
             scales.push(f16::from_f32(d));
         }
@@ -111,19 +164,30 @@ impl QWeight {
         })
     }
 
-    /// A (rows, cols) matrix from ggml's bytes for it: blocks of f16 `d` (and `m` for Q4_1)
-    /// followed by the quants, as GGUF files store them. `None` when the sizes disagree
-    /// (by checked arithmetic: a size from a file may be anything).
+    /// A (rows, cols) matrix from ggml's bytes for it, as GGUF files store them: for Q8_0,
+    /// Q4_0 and Q4_1 blocks of f16 `d` (and `m` for Q4_1) followed by the quants, split here
+    /// into scales and quants; the other formats' blocks are kept as they are. `None` when
+    /// the sizes disagree (by checked arithmetic: a size from a file may be anything).
     pub fn from_ggml(format: Format, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
-        let per_block = format.quant_bytes();
-        let block_bytes = 2 * format.halves() + per_block;
-        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+        let block_bytes = format.ggml_bytes();
+        if cols == 0 || !cols.is_multiple_of(format.block_weights()) {
             return None;
         }
-        let blocks = rows.checked_mul(cols)? / BLOCK;
+        let blocks = rows.checked_mul(cols)? / format.block_weights();
         if blocks.checked_mul(block_bytes) != Some(bytes.len()) {
             return None;
         }
+        if !format.split() {
+            return Some(Self {
+                format,
+                rows,
+                cols,
+                scales: Vec::new(),
+                mins: Vec::new(),
+                quants: bytes.to_vec(),
+            });
+        }
+        let per_block = format.quant_bytes();
         let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
         let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::new());
         let mut quants = Vec::with_capacity(blocks * per_block);
@@ -157,7 +221,7 @@ impl QWeight {
     }
 
     /// Bytes held: quants, scales and minimums (ggml's: 34 per Q8_0 block, 18 per Q4_0
-    /// block, 20 per Q4_1 block).
+    /// block, 20 per Q4_1 block, and the file's own for the other formats).
     pub fn bytes(&self) -> usize {
         self.quants.len() + 2 * (self.scales.len() + self.mins.len())
     }
@@ -173,6 +237,7 @@ impl QWeight {
                 let offset = if self.format == Format::Q4_0 { 8 } else { 0 };
                 nibble as i32 - offset
             }
+            _ => panic!("{:?} keeps no integer per weight apart", self.format),
         }
     }
 
@@ -190,18 +255,27 @@ impl QWeight {
         );
         // What the kernels' unchecked loads rely on, checked once per product.
         let blocks = self.rows * self.cols / BLOCK;
+        let ggml_blocks = self.rows * self.cols / self.format.block_weights();
+        let fits = match self.format.split() {
+            true => {
+                self.scales.len() == blocks
+                    && self.quants.len() == blocks * self.format.quant_bytes()
+                    && self.mins.len()
+                        == if self.format == Format::Q4_1 {
+                            blocks
+                        } else {
+                            0
+                        }
+            }
+            false => {
+                self.cols.is_multiple_of(self.format.block_weights())
+                    && self.quants.len() == ggml_blocks * self.format.ggml_bytes()
+            }
+        };
         assert!(
-            self.scales.len() == blocks
-                && self.quants.len() == blocks * self.format.quant_bytes()
-                && self.mins.len()
-                    == if self.format == Format::Q4_1 {
-                        blocks
-                    } else {
-                        0
-                    },
+            fits,
             "quantized product: a {}x{} weight whose blocks do not match its shape",
-            self.rows,
-            self.cols
+            self.rows, self.cols
         );
         let xq = QRows::quantize(x, self.cols);
         debug_assert_eq!(xq.scales.len(), m * self.cols / BLOCK);

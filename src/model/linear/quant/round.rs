@@ -15,13 +15,18 @@ impl QRows {
             .collect();
         // Two's complement bytes read as i8.
         let quants: Vec<i8> = quants.into_iter().map(|b| b as i8).collect();
+        let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>() as f32;
         let sums = (quants.chunks_exact(BLOCK).zip(&scales))
-            .map(|(q, d)| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
+            .map(|(q, d)| d * sum(q))
+            .collect();
+        let sums16 = (quants.chunks_exact(BLOCK / 2).enumerate())
+            .map(|(h, q)| scales[h / 2] * sum(q))
             .collect();
         Self {
             cols,
             scales,
             sums,
+            sums16,
             quants,
         }
     }
@@ -69,7 +74,7 @@ pub(super) fn quantize_q4_1(x: &[f32], q: &mut [u8]) -> (f32, f32) {
 impl QWeight {
     /// The weights back in f32 (tests, and a reference).
     pub fn dequantize(&self) -> Vec<f32> {
-        (0..self.scales.len())
+        (0..self.rows * self.cols / BLOCK)
             .flat_map(|b| self.values(b))
             .collect()
     }
@@ -95,6 +100,10 @@ impl QWeight {
             buf.resize(rows * cols, 0.0);
         }
         let out = &mut buf[..rows * cols];
+        if !self.format.split() {
+            super::kquant::dequantize_transposed(self, (r0, rows), (c0, cols), out);
+            return out;
+        }
         let per_row = self.cols / BLOCK;
         for r in 0..rows {
             for cb in 0..cols / BLOCK {
@@ -108,8 +117,12 @@ impl QWeight {
     }
 
     /// Block `b`'s 32 weights in f32: `d · q + c`, with c = -8·d for Q4_0 and the minimum
-    /// for Q4_1 (the one decoding of a block; the kernels keep q as integers instead).
+    /// for Q4_1 (the one decoding of a block; the kernels keep q as integers instead); for
+    /// the formats kept in ggml's blocks, the b-th 32 weights of the row-major matrix.
     fn values(&self, b: usize) -> [f32; BLOCK] {
+        if !self.format.split() {
+            return super::kquant::values(self, b);
+        }
         let d = self.scales[b].to_f32();
         let mut out = [0f32; BLOCK];
         match self.format {
@@ -130,6 +143,7 @@ impl QWeight {
                     out[j + BLOCK / 2] = d * (q >> 4) as f32 + c;
                 }
             }
+            _ => unreachable!("{:?} is decoded above", self.format),
         }
         out
     }

@@ -21,6 +21,10 @@ use crate::model::linear::simd::{Isa, IsaKind};
 /// `r` is a row of `w` and `i` a row of `x`, of `w`'s width; `w`'s blocks match its shape
 /// (`QWeight::product` checks both once, outside its loops).
 pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+    if !w.format.split() {
+        // SAFETY: the caller's.
+        return unsafe { super::kquant::dot(w, r, x, i) };
+    }
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
@@ -43,6 +47,10 @@ pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 /// # Safety
 /// As [`dot`], for rows `i0..i0 + 4` of `x`.
 pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+    if !w.format.split() {
+        // SAFETY: the caller's.
+        return unsafe { super::kquant::dot4(w, r, x, i0) };
+    }
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
@@ -76,6 +84,7 @@ fn offsets(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
         Format::Q4_1 => (w.mins[row].iter().zip(sums))
             .map(|(m, s)| m.to_f32() * s)
             .sum(),
+        _ => unreachable!("{:?} goes to kquant", w.format),
     }
 }
 
@@ -91,6 +100,7 @@ fn stored(w: &QWeight, wb: usize, j: usize) -> i32 {
                 byte >> 4
             }) as i32
         }
+        _ => unreachable!("{:?} goes to kquant", w.format),
     }
 }
 
@@ -202,6 +212,7 @@ mod x86 {
                 Format::Q8_0 => dot_in::<Q8_0>(w, r, x, i),
                 Format::Q4_0 => dot_in::<Q4_0>(w, r, x, i),
                 Format::Q4_1 => dot_in::<Q4_1>(w, r, x, i),
+                _ => unreachable!("{:?} goes to kquant", w.format),
             }
         }
     }
@@ -239,6 +250,7 @@ mod x86 {
                 Format::Q8_0 => dot4_in::<Q8_0>(w, r, x, i0),
                 Format::Q4_0 => dot4_in::<Q4_0>(w, r, x, i0),
                 Format::Q4_1 => dot4_in::<Q4_1>(w, r, x, i0),
+                _ => unreachable!("{:?} goes to kquant", w.format),
             }
         }
     }

@@ -75,6 +75,7 @@ unsafe fn weights(w: &QWeight, r: usize, b: usize) -> [int8x16_t; 2] {
             let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v));
             [vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi)]
         },
+        _ => unreachable!("{:?} goes to kquant", w.format),
     }
 }
 

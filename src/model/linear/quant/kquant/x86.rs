@@ -1,0 +1,243 @@
+//! [`super`]'s dot product on AVX2: a chunk's quants unpacked to 32 unsigned bytes in
+//! registers (shifts and masks of ggml's bit planes), `maddubs` with x's bytes, `madd` with
+//! the two halves' scales, one FMA by `d·dx`. The format is a constant, so each format's
+//! kernel is compiled with no branch on it inside its loops.
+
+use super::{scales, Format, QRows, QWeight, BLOCK};
+use std::arch::x86_64::*;
+
+const Q5_0: u8 = 0;
+const Q5_1: u8 = 1;
+const Q2K: u8 = 2;
+const Q3K: u8 = 3;
+const Q4K: u8 = 4;
+const Q5K: u8 = 5;
+const Q6K: u8 = 6;
+
+/// 32 bytes at `p`, shifted right by `by` bits (within 16-bit lanes: the bits that cross
+/// into a byte from its neighbour are masked off) and masked with `mask`.
+///
+/// # Safety
+/// AVX2; 32 bytes at `p` are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn bits(p: *const u8, by: usize, mask: i8) -> __m256i {
+    // SAFETY: the caller's.
+    let v = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(by as i32));
+    _mm256_and_si256(v, _mm256_set1_epi8(mask))
+}
+
+/// `lo | hi << 4`, or `<< 2` with `by` = 2, for bytes whose sum cannot cross a byte.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn join<const BY: i32>(lo: __m256i, hi: __m256i) -> __m256i {
+    _mm256_or_si256(lo, _mm256_slli_epi16::<BY>(hi))
+}
+
+/// Bit l of `mask` as byte l, 0xFF or 0 (llama.cpp's `bytes_from_bits_32`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bytes_from_bits(mask: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(mask as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1))
+}
+
+/// Chunk `c`'s 32 quants of the block at `p`, as [`super::quants`] gives them.
+///
+/// # Safety
+/// AVX2; `p` is a whole block of format F, and c one of its chunks.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn quants<const F: u8>(p: *const u8, c: usize) -> __m256i {
+    let (n, j) = (c / 4, c % 4);
+    // SAFETY: every read below lies inside the block (ggml-common.h's layouts: the offsets
+    // of the fields, plus 32 bytes, are at most the block's size).
+    unsafe {
+        match F {
+            Q4K => bits(p.add(16 + 32 * (c / 2)), 4 * (c % 2), 0x0F),
+            Q5K => join::<4>(
+                bits(p.add(48 + 32 * (c / 2)), 4 * (c % 2), 0x0F),
+                bits(p.add(16), c, 1),
+            ),
+            Q6K => join::<4>(
+                bits(p.add(64 * n + 32 * (j % 2)), 4 * (j / 2), 0x0F),
+                bits(p.add(128 + 32 * n), 2 * j, 3),
+            ),
+            Q3K => join::<2>(bits(p.add(32 + 32 * n), 2 * j, 3), bits(p, c, 1)),
+            Q2K => bits(p.add(16 + 32 * n), 2 * j, 3),
+            _ => {
+                let (qh, qs) = if F == Q5_0 { (2, 6) } else { (4, 8) };
+                let v = _mm_loadu_si128(p.add(qs) as *const __m128i);
+                let nibbles = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+                    _mm256_set1_epi8(0x0F),
+                );
+                let mask = (p.add(qh) as *const u32).read_unaligned();
+                let fifth = _mm256_and_si256(bytes_from_bits(mask), _mm256_set1_epi8(0x10));
+                _mm256_or_si256(nibbles, fifth)
+            }
+        }
+    }
+}
+
+/// Weight row `r` times rows `i0..i0 + R` of x.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `r` is a row of `w`, rows `i0..i0 + R` of `x` exist, of `w`'s width;
+/// `w`'s blocks match its shape (`QWeight::product` checks it).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot<const R: usize>(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; R] {
+    // SAFETY: the caller's.
+    unsafe {
+        match w.format {
+            Format::Q5_0 => dot_5::<Q5_0, R>(w, r, x, i0),
+            Format::Q5_1 => dot_5::<Q5_1, R>(w, r, x, i0),
+            Format::Q2K => dot_in::<Q2K, R>(w, r, x, i0),
+            Format::Q3K => dot_in::<Q3K, R>(w, r, x, i0),
+            Format::Q4K => dot_in::<Q4K, R>(w, r, x, i0),
+            Format::Q5K => dot_in::<Q5K, R>(w, r, x, i0),
+            Format::Q6K => dot_in::<Q6K, R>(w, r, x, i0),
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 => {
+                unreachable!("{:?} has its own kernel", w.format)
+            }
+        }
+    }
+}
+
+/// [`dot`] for one format. Each x row has two accumulators, for even and odd chunks, so
+/// consecutive FMAs do not wait on each other.
+///
+/// # Safety
+/// As [`dot`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_in<const F: u8, const R: usize>(
+    w: &QWeight,
+    r: usize,
+    x: &QRows,
+    i0: usize,
+) -> [f32; R] {
+    let format = w.format;
+    let (per, bytes) = (format.block_weights(), format.ggml_bytes());
+    let (blocks, chunks, xblocks) = (w.cols / per, per / BLOCK, w.cols / BLOCK);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    for b in 0..blocks {
+        let blk = &w.quants[(r * blocks + b) * bytes..][..bytes];
+        let s = scales(format, blk);
+        let mut block_mins = [0f32; R];
+        for c in 0..chunks {
+            // SAFETY: blk is a whole block of this format (sliced, so checked), c < chunks.
+            let u = unsafe { quants::<F>(blk.as_ptr(), c) };
+            let sv = _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
+            let (m0, m1) = (s.m[2 * c] as f32, s.m[2 * c + 1] as f32);
+            for k in 0..R {
+                let xb = (i0 + k) * xblocks + b * chunks + c;
+                // SAFETY: block xb of x exists (the caller's rows, of w's width), with its
+                // scale and two half sums.
+                let (xv, dx, h0, h1) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
+                        *x.scales.get_unchecked(xb),
+                        *x.sums16.get_unchecked(2 * xb),
+                        *x.sums16.get_unchecked(2 * xb + 1),
+                    )
+                };
+                let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sv);
+                let scale = _mm256_set1_ps(s.d * dx);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k]);
+                block_mins[k] += m0 * h0 + m1 * h1;
+            }
+        }
+        for k in 0..R {
+            mins[k] += s.dmin * block_mins[k];
+        }
+    }
+    std::array::from_fn(|k| hsum(acc[k]) - mins[k])
+}
+
+/// [`dot`] for the 5-bit formats, whose blocks are a single chunk with one scale: the
+/// per-block work of [`dot_in`] (decoding a superblock's scales) would cost as much as the
+/// chunk itself. Q5_0's quants go signed (q − 16) through `maddubs` by the sign trick, as
+/// Q4_0's; Q5_1's minimum multiplies the x block's sum.
+///
+/// # Safety
+/// As [`dot`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_5<const F: u8, const R: usize>(
+    w: &QWeight,
+    r: usize,
+    x: &QRows,
+    i0: usize,
+) -> [f32; R] {
+    let bytes = w.format.ggml_bytes();
+    let blocks = w.cols / BLOCK;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    let row = &w.quants[r * blocks * bytes..(r + 1) * blocks * bytes];
+    for (b, blk) in row.chunks_exact(bytes).enumerate() {
+        // SAFETY: blk is a whole block of this format.
+        let q = unsafe { quants::<F>(blk.as_ptr(), 0) };
+        let d = widen([blk[0], blk[1]]);
+        let (u, signed) = match F {
+            Q5_0 => {
+                let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                (_mm256_sign_epi8(q, q), Some(q))
+            }
+            _ => (q, None),
+        };
+        let m = if F == Q5_1 {
+            widen([blk[2], blk[3]])
+        } else {
+            0.0
+        };
+        for k in 0..R {
+            let xb = (i0 + k) * blocks + b;
+            // SAFETY: block xb of x exists (the caller's rows, of w's width).
+            let (xv, dx, sum) = unsafe {
+                (
+                    _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
+                    *x.scales.get_unchecked(xb),
+                    *x.sums.get_unchecked(xb),
+                )
+            };
+            let xv = match signed {
+                Some(q) => _mm256_sign_epi8(xv, q),
+                None => xv,
+            };
+            let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+            let scale = _mm256_set1_ps(d * dx);
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k]);
+            mins[k] += m * sum;
+        }
+    }
+    std::array::from_fn(|k| hsum(acc[k]) + mins[k])
+}
+
+/// An f16 (as its two little-endian bytes) as f32, by F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn widen(h: [u8; 2]) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(
+        _mm_cvtsi32_si128(u16::from_le_bytes(h) as i32),
+    ))
+}
+
+/// The sum of the 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum(acc: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
