@@ -84,6 +84,12 @@ fn tensor_data_that_llama_cpp_refuses_is_refused() {
             Box::new(|b| set_u32(b, t[1].type_at, 99)),
             "type 99",
         ),
+        // A type llama.cpp has and we do not run: named.
+        (
+            "iq-type",
+            Box::new(|b| set_u32(b, t[1].type_at, 23)),
+            "type IQ4_XS (23) is not supported",
+        ),
         // Found by tests/fuzz_load.rs: an empty tensor reached candle's unaligned read.
         (
             "zero-dim",

@@ -196,6 +196,31 @@ fn ggml_type(id: u32) -> Option<GgmlDType> {
     })
 }
 
+/// ggml's name for a type id we do not read (ggml.h's `ggml_type`), for the error.
+fn type_name(id: u32) -> String {
+    let name = match id {
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return format!("{id}"),
+    };
+    format!("{name} ({id})")
+}
+
 /// Reads and checks `path`'s header; errors name the file and the key or tensor.
 pub fn read(path: &Path) -> Result<Content> {
     let file = std::fs::File::open(path).map_err(|e| Error::file(path, e))?;
@@ -304,7 +329,8 @@ fn tensor_info<R: Read + Seek>(c: &mut Cursor<R>) -> Parse<TensorInfo> {
         }
     }
     let id = c.u32()?;
-    let ggml_dtype = ggml_type(id).ok_or_else(|| format!("type {id} is not supported"))?;
+    let ggml_dtype =
+        ggml_type(id).ok_or_else(|| format!("type {} is not supported", type_name(id)))?;
     let offset = c.u64()?;
     let row = dims.first().copied().unwrap_or(1);
     if row % ggml_dtype.block_size() != 0 {
