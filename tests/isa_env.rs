@@ -2,11 +2,12 @@
 //! per process, so each case runs this test binary again with the variable set, in the
 //! ignored `child_reports_its_isa`, and checks what that printed.
 
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::process::Command;
 use tiny_decoder::model::attention::decode;
 use tiny_decoder::model::linear::simd::{Isa, IsaKind, ISA_VAR};
-use tiny_decoder::model::linear::{route, Linear, Route};
+use tiny_decoder::model::linear::{route, Blocks, Linear, Quantizer, Route};
 
 /// The child's stdout and stderr, run with `TINY_DECODER_ISA=value`; panics if it failed.
 fn child(value: &str) -> (String, String) {
@@ -54,6 +55,7 @@ fn scalar_routes_every_linear_to_candle() {
         "{out}"
     );
     assert!(out.contains("decode op: false"), "{out}");
+    assert!(out.contains("blocks: 10 formats"), "{out}");
     assert!(warnings(&err).is_empty(), "{err}");
 }
 
@@ -69,6 +71,7 @@ fn avx2_takes_rows_and_the_decode_op() {
         "{out}"
     );
     assert!(out.contains("decode op: true"), "{out}");
+    assert!(out.contains("blocks: 10 formats"), "{out}");
     assert!(warnings(&err).is_empty(), "{err}");
 }
 
@@ -118,6 +121,61 @@ fn an_unknown_name_warns_once_and_falls_back() {
     assert_eq!(warnings(&err), [want.as_str()]);
 }
 
+/// A GGUF's stored blocks, as the loader hands them to a projection.
+struct Stored(QTensor);
+
+impl Quantizer for Stored {
+    fn blocks(&self, _: Option<&str>) -> candle_core::Result<Option<Blocks>> {
+        let (rows, cols) = self.0.shape().dims2()?;
+        let data = self.0.data()?.into_owned();
+        let storage =
+            QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, self.0.dtype())?;
+        Ok(Some(Blocks::Stored(QTensor::new(storage, (rows, cols))?)))
+    }
+
+    fn label(&self) -> GgmlDType {
+        self.0.dtype()
+    }
+}
+
+/// Every block format we run, at the forced set, for 1, 4 and 9 rows of x (one row, the
+/// four-row kernel or a tile with a tail), on 13 weight rows (not a multiple of any tile):
+/// within 2% of x times the dequantized weight (x is rounded to 8 bits). Returns how many.
+fn block_formats_match_their_dequantization() -> candle_core::Result<usize> {
+    let dev = Device::Cpu;
+    let formats = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+    for format in formats {
+        let w = Tensor::randn(0f32, 1.0, (13, 768), &dev)?;
+        let q = QTensor::quantize(&w, format)?;
+        let dense = q.dequantize(&dev)?;
+        let mut linear = Linear::new(w, None);
+        assert!(linear.quantize(&Stored(q))?, "{format:?} kept dense");
+        for rows in [1, 4, 9] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 768), &dev)?;
+            let want = x.matmul(&dense.t()?)?;
+            let err = (linear.forward(&x)? - &want)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            let norm = want.sqr()?.sum_all()?.to_scalar::<f32>()?;
+            let rel = (err / norm).sqrt();
+            assert!(rel < 0.02, "{format:?}, {rows} rows: relative error {rel}");
+        }
+    }
+    Ok(formats.len())
+}
+
 /// In the child: where a Linear's product goes at the forced set, that it equals
 /// candle_nn's (exactly, when it is candle's matmul), and whether decode takes its op.
 #[test]
@@ -140,6 +198,10 @@ fn child_reports_its_isa() -> candle_core::Result<()> {
         assert!(max <= tol, "{rows} rows, {r:?}: max diff {max}");
         println!("{rows} rows: {r:?}");
     }
+    println!(
+        "blocks: {} formats",
+        block_formats_match_their_dequantization()?
+    );
     let q = Tensor::zeros((1, 2, 1, 8), DType::F32, &dev)?;
     println!("decode op: {}", decode::takes(&q));
     // Asked again: decided once, said at most once.

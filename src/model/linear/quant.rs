@@ -13,6 +13,9 @@
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
 //! ([`kquant`]), against the same Q8_0 rows of x.
 //!
+//! Over 300 lines on purpose: the formats' table, the constructors that establish what the
+//! kernels' unchecked loads rely on, and the product that checks it once belong together.
+//!
 //! Why not candle's `QMatMul`: it runs on its own spinning thread pool, which on a 2-core
 //! host fights ours and any other process; SmolLM2-135M Q8_0 decode spent 48% of its time
 //! spinning in candle's barrier and 7% in the dot product (1.3 tok/s against f32's 7.0 in
@@ -21,6 +24,7 @@
 mod kquant;
 mod round;
 mod simd;
+mod tile;
 
 use crate::model::pool::Pool;
 use half::f16;
@@ -280,9 +284,20 @@ impl QWeight {
         let xq = QRows::quantize(x, self.cols);
         debug_assert_eq!(xq.scales.len(), m * self.cols / BLOCK);
         let pool = Pool::global();
-        let rows = self.rows.div_ceil(pool.threads() * 4).max(1);
         let out = Out(y.as_mut_ptr());
         let out = &out;
+        if m >= 2 && tile::available() {
+            let rows =
+                (self.rows.div_ceil(pool.threads() * 4).max(1)).next_multiple_of(tile::tile_rows());
+            pool.run(self.rows.div_ceil(rows), &|c| {
+                let (r0, r1) = (c * rows, ((c + 1) * rows).min(self.rows));
+                // SAFETY: the tile kernel is available; chunk c alone writes columns r0..r1
+                // of y (M rows); x holds M rows of our width; the blocks were checked.
+                unsafe { tile::rows(self, (r0, r1), &xq, out.0) };
+            });
+            return;
+        }
+        let rows = self.rows.div_ceil(pool.threads() * 4).max(1);
         pool.run(self.rows.div_ceil(rows), &|c| {
             let (r0, r1) = (c * rows, ((c + 1) * rows).min(self.rows));
             // SAFETY (the writes): chunk c alone writes columns r0..r1 of y (M rows).

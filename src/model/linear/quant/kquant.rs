@@ -262,7 +262,7 @@ pub(super) fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(super) mod x86;
 
 #[cfg(test)]
 mod tests;

@@ -6,13 +6,14 @@
 use super::{scales, Format, QRows, QWeight, BLOCK};
 use std::arch::x86_64::*;
 
-const Q5_0: u8 = 0;
-const Q5_1: u8 = 1;
-const Q2K: u8 = 2;
-const Q3K: u8 = 3;
-const Q4K: u8 = 4;
-const Q5K: u8 = 5;
-const Q6K: u8 = 6;
+// The formats as constants (the tile kernel, `quant::tile`, adds the split formats' 7-9).
+pub(in crate::model::linear::quant) const Q5_0: u8 = 0;
+pub(in crate::model::linear::quant) const Q5_1: u8 = 1;
+pub(in crate::model::linear::quant) const Q2K: u8 = 2;
+pub(in crate::model::linear::quant) const Q3K: u8 = 3;
+pub(in crate::model::linear::quant) const Q4K: u8 = 4;
+pub(in crate::model::linear::quant) const Q5K: u8 = 5;
+pub(in crate::model::linear::quant) const Q6K: u8 = 6;
 
 /// 32 bytes at `p`, shifted right by `by` bits (within 16-bit lanes: the bits that cross
 /// into a byte from its neighbour are masked off) and masked with `mask`.
@@ -58,7 +59,10 @@ fn bytes_from_bits(mask: u32) -> __m256i {
 /// AVX2; `p` is a whole block of format F, and c one of its chunks.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn quants<const F: u8>(p: *const u8, c: usize) -> __m256i {
+pub(in crate::model::linear::quant) unsafe fn quants<const F: u8>(
+    p: *const u8,
+    c: usize,
+) -> __m256i {
     let (n, j) = (c / 4, c % 4);
     // SAFETY: every read below lies inside the block (ggml-common.h's layouts: the offsets
     // of the fields, plus 32 bytes, are at most the block's size).

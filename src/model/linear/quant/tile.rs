@@ -1,0 +1,47 @@
+//! Products of two rows of x and more (prompts, batches) with a block-format weight: a
+//! register tile of weight rows × x rows over the integer dot products ([`x86`]), so that
+//! each weight chunk is unpacked once for several x rows and each x chunk loaded once for
+//! several weight rows. On a CPU without AVX2 the row-by-row kernels run instead.
+
+use super::{QRows, QWeight};
+#[cfg(target_arch = "x86_64")]
+use crate::model::linear::simd::{Isa, IsaKind};
+
+/// Whether this CPU has the tile kernel (AVX2 or AVX-512).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Weight rows per tile: what a pool chunk's row count is a multiple of.
+pub fn tile_rows() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current().kind() == IsaKind::Avx512 {
+        return 4;
+    }
+    2
+}
+
+/// Rows `r0..r1` of `y (M, w.rows) = x · wᵀ` for every row of `x`.
+///
+/// # Safety
+/// [`available`]; `r0 <= r1 <= w.rows`; `x` holds M rows of `w`'s width; `y` is valid for
+/// writes at `i · w.rows + r` for i < M and r0 <= r < r1, which nothing else touches
+/// meanwhile; `w`'s blocks match its shape (`QWeight::product` checks it).
+pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's; Isa::current() says which of the two this CPU runs.
+    unsafe {
+        match Isa::current().kind() {
+            IsaKind::Avx512 => x86::rows_512::<4, 4>(w, r, x, y),
+            _ => x86::rows::<2, 4>(w, r, x, y),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no tile kernel on this CPU: {w:?} {r:?} {} {y:?}", x.cols)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86;

@@ -1,0 +1,323 @@
+//! [`super`]'s tile kernel on AVX2 (and, compiled again with AVX-512VL's 32 registers, a
+//! larger tile on AVX-512 CPUs).
+//!
+//! For a tile of RW weight rows, one group of G chunks (32 weights each; a K-quant's
+//! superblock, or up to 8 blocks of a 32-weight format) is decoded once into registers'
+//! worth of memory: each chunk's quants as 32 unsigned bytes (Q8_0's signed, with the sign
+//! trick), the scales of its two halves as 16-bit lanes for `madd`, its `d`, and per half
+//! `dmin·m`. Then every RX rows of x run through it: per weight row, x row and chunk,
+//! `maddubs` + `madd` (2 integer µops for 32 products), a conversion and an FMA by `dx`
+//! (and by `d` for formats whose `d` changes from chunk to chunk). A K-quant's `d` and every
+//! format's minimums are applied once per group, into an f32 vector per (x row, weight
+//! row) kept in memory across the groups.
+//!
+//! Over 300 lines on purpose: the decoding of every format into a group and the loop that
+//! reads it are one design (the group's layout is what the loop's registers hold).
+
+use super::super::kquant::x86::{quants, Q2K, Q3K, Q4K, Q5K, Q5_0, Q5_1, Q6K};
+use super::super::kquant::{scales, QK_K};
+use super::super::{Format, QRows, QWeight, BLOCK};
+use std::arch::x86_64::*;
+
+const Q8_0: u8 = 7;
+const Q4_0: u8 = 8;
+const Q4_1: u8 = 9;
+
+/// Chunks in a group at most: a K-quant superblock.
+const G: usize = QK_K / BLOCK;
+
+/// One weight row's group, decoded.
+#[derive(Clone, Copy)]
+struct Group {
+    quants: [__m256i; G],
+    /// Per chunk: the two halves' scales, each in 8 16-bit lanes.
+    scales: [__m256i; G],
+    /// Per chunk: `d`, in every lane.
+    d: [__m256; G],
+    /// Per half: `dmin · m` (0 for Q8_0, and past the group's 2g halves).
+    mins: [f32; 2 * G],
+}
+
+/// Chunks per group for `w`: a superblock, or the most blocks (up to 8) that divide a row.
+pub fn group_chunks(w: &QWeight) -> usize {
+    let chunks = w.cols / BLOCK;
+    match w.format.block_weights() {
+        QK_K => G,
+        _ => (1..=G)
+            .rev()
+            .find(|g| chunks.is_multiple_of(*g))
+            .unwrap_or(1),
+    }
+}
+
+/// Group `gi` of weight row `r`.
+///
+/// # Safety
+/// AVX2; `r` is a row of `w` and `gi` a group of it (of [`group_chunks`] chunks); `w`'s
+/// blocks match its shape.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn decode<const F: u8>(w: &QWeight, r: usize, gi: usize, g: usize, out: &mut Group) {
+    let chunks = w.cols / BLOCK;
+    if matches!(F, Q2K | Q3K | Q4K | Q5K | Q6K) {
+        let bytes = w.format.ggml_bytes();
+        let at = (r * (w.cols / QK_K) + gi) * bytes;
+        let blk = &w.quants[at..at + bytes];
+        let s = scales(w.format, blk);
+        for c in 0..G {
+            // SAFETY: blk is a whole superblock.
+            out.quants[c] = unsafe { quants::<F>(blk.as_ptr(), c) };
+            out.scales[c] =
+                _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
+            out.d[c] = _mm256_set1_ps(s.d);
+        }
+        for h in 0..2 * G {
+            out.mins[h] = s.dmin * s.m[h] as f32;
+        }
+        return;
+    }
+    let ones = _mm256_set1_epi16(1);
+    out.mins = [0.0; 2 * G];
+    for c in 0..g {
+        let b = r * chunks + gi * g + c;
+        out.scales[c] = ones;
+        let (q, d, min) = match F {
+            Q5_0 | Q5_1 => {
+                let bytes = w.format.ggml_bytes();
+                let blk = &w.quants[b * bytes..(b + 1) * bytes];
+                let half = |at: usize| half::f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
+                let d = half(0);
+                // Q5_0: w = d·(q − 16), a minimum of 16·d; Q5_1: w = d·q + m.
+                let min = if F == Q5_0 { 16.0 * d } else { -half(2) };
+                // SAFETY: blk is a whole block.
+                (unsafe { quants::<F>(blk.as_ptr(), 0) }, d, min)
+            }
+            Q8_0 => {
+                let p = w.quants[b * BLOCK..(b + 1) * BLOCK].as_ptr();
+                // SAFETY: 32 bytes of block b.
+                let q = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+                (q, w.scales[b].to_f32(), 0.0)
+            }
+            _ => {
+                let p = w.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2].as_ptr();
+                // SAFETY: 16 bytes of block b: low nibbles weights 0-15, high 16-31.
+                let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
+                let q = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(v, 4), v),
+                    _mm256_set1_epi8(0x0F),
+                );
+                let d = w.scales[b].to_f32();
+                // Q4_0: w = d·(q − 8); Q4_1: w = d·q + m.
+                (
+                    q,
+                    d,
+                    if F == Q4_0 {
+                        8.0 * d
+                    } else {
+                        -w.mins[b].to_f32()
+                    },
+                )
+            }
+        };
+        out.quants[c] = q;
+        out.d[c] = _mm256_set1_ps(d);
+        out.mins[2 * c] = min;
+        out.mins[2 * c + 1] = min;
+    }
+}
+
+/// Rows `r0..r1` of `y (M, w.rows) = x · wᵀ`, every row of x.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `r0 <= r1 <= w.rows`; `x` holds M rows of `w`'s width; `y` is valid
+/// for writes at `i · w.rows + r` for i < M and r0 <= r < r1, which nothing else touches
+/// meanwhile; `w`'s blocks match its shape.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows<const RW: usize, const RX: usize>(
+    w: &QWeight,
+    (r0, r1): (usize, usize),
+    x: &QRows,
+    y: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        match w.format {
+            Format::Q8_0 => rows_in::<Q8_0, RW, RX>(w, (r0, r1), x, y),
+            Format::Q4_0 => rows_in::<Q4_0, RW, RX>(w, (r0, r1), x, y),
+            Format::Q4_1 => rows_in::<Q4_1, RW, RX>(w, (r0, r1), x, y),
+            Format::Q5_0 => rows_in::<Q5_0, RW, RX>(w, (r0, r1), x, y),
+            Format::Q5_1 => rows_in::<Q5_1, RW, RX>(w, (r0, r1), x, y),
+            Format::Q2K => rows_in::<Q2K, RW, RX>(w, (r0, r1), x, y),
+            Format::Q3K => rows_in::<Q3K, RW, RX>(w, (r0, r1), x, y),
+            Format::Q4K => rows_in::<Q4K, RW, RX>(w, (r0, r1), x, y),
+            Format::Q5K => rows_in::<Q5K, RW, RX>(w, (r0, r1), x, y),
+            Format::Q6K => rows_in::<Q6K, RW, RX>(w, (r0, r1), x, y),
+        }
+    }
+}
+
+/// [`rows`] on AVX-512 CPUs: the same code given 32 vector registers (AVX-512VL), for a
+/// larger tile.
+///
+/// # Safety
+/// As [`rows`], and the CPU has AVX-512F, BW and VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+pub unsafe fn rows_512<const RW: usize, const RX: usize>(
+    w: &QWeight,
+    r: (usize, usize),
+    x: &QRows,
+    y: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        match w.format {
+            Format::Q8_0 => rows_in::<Q8_0, RW, RX>(w, r, x, y),
+            Format::Q4_0 => rows_in::<Q4_0, RW, RX>(w, r, x, y),
+            Format::Q4_1 => rows_in::<Q4_1, RW, RX>(w, r, x, y),
+            Format::Q5_0 => rows_in::<Q5_0, RW, RX>(w, r, x, y),
+            Format::Q5_1 => rows_in::<Q5_1, RW, RX>(w, r, x, y),
+            Format::Q2K => rows_in::<Q2K, RW, RX>(w, r, x, y),
+            Format::Q3K => rows_in::<Q3K, RW, RX>(w, r, x, y),
+            Format::Q4K => rows_in::<Q4K, RW, RX>(w, r, x, y),
+            Format::Q5K => rows_in::<Q5K, RW, RX>(w, r, x, y),
+            Format::Q6K => rows_in::<Q6K, RW, RX>(w, r, x, y),
+        }
+    }
+}
+
+/// [`rows`] for one format and tile shape.
+///
+/// # Safety
+/// As [`rows`].
+// The tile's loops index the accumulators, the decoded rows and x's rows together.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
+    w: &QWeight,
+    (r0, r1): (usize, usize),
+    x: &QRows,
+    y: *mut f32,
+) {
+    let m = x.quants.len() / w.cols;
+    let g = group_chunks(w);
+    let (groups, xblocks) = (w.cols / BLOCK / g, w.cols / BLOCK);
+    // A K-quant's d is the same for the group's chunks: applied once per group.
+    let uniform = matches!(F, Q2K | Q3K | Q4K | Q5K | Q6K);
+    let mut totals = vec![_mm256_setzero_ps(); m * RW];
+    let zero = Group {
+        quants: [_mm256_setzero_si256(); G],
+        scales: [_mm256_setzero_si256(); G],
+        d: [_mm256_setzero_ps(); G],
+        mins: [0.0; 2 * G],
+    };
+    let mut tile = [zero; RW];
+    // Which of a group's 16 half sums exist: the first 2g.
+    let lane = |h: i32| if (h as usize) < 2 * g { -1 } else { 0 };
+    let masks = [
+        _mm256_setr_epi32(
+            lane(0),
+            lane(1),
+            lane(2),
+            lane(3),
+            lane(4),
+            lane(5),
+            lane(6),
+            lane(7),
+        ),
+        _mm256_setr_epi32(
+            lane(8),
+            lane(9),
+            lane(10),
+            lane(11),
+            lane(12),
+            lane(13),
+            lane(14),
+            lane(15),
+        ),
+    ];
+    for rt in (r0..r1).step_by(RW) {
+        totals.fill(_mm256_setzero_ps());
+        for gi in 0..groups {
+            for (k, group) in tile.iter_mut().enumerate() {
+                // A tail tile repeats its last row; only real rows are written out.
+                // SAFETY: the row exists; gi < groups.
+                unsafe { decode::<F>(w, (rt + k).min(r1 - 1), gi, g, group) };
+            }
+            for i0 in (0..m).step_by(RX) {
+                let mut acc = [[_mm256_setzero_ps(); RX]; RW];
+                for c in 0..g {
+                    for j in 0..RX {
+                        let xb = (i0 + j).min(m - 1) * xblocks + gi * g + c;
+                        // SAFETY: block xb of x exists (rows of w's width).
+                        let (xv, dx) = unsafe {
+                            (
+                                _mm256_loadu_si256(
+                                    x.quants.as_ptr().add(xb * BLOCK) as *const __m256i
+                                ),
+                                _mm256_broadcast_ss(x.scales.get_unchecked(xb)),
+                            )
+                        };
+                        for k in 0..RW {
+                            let q = tile[k].quants[c];
+                            let (u, s) = match F {
+                                Q8_0 => (_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)),
+                                _ => (q, xv),
+                            };
+                            let dots =
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), tile[k].scales[c]);
+                            let scale = if uniform {
+                                dx
+                            } else {
+                                _mm256_mul_ps(dx, tile[k].d[c])
+                            };
+                            acc[k][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][j]);
+                        }
+                    }
+                }
+                for j in 0..RX.min(m - i0) {
+                    let i = i0 + j;
+                    // The x row's half sums of this group, read where they lie (the lanes past
+                    // its 2g halves masked off: they are 0, as the minimums there are).
+                    // SAFETY: 2g halves of group gi of row i exist; masked lanes are not read.
+                    let (s0, s1) = unsafe {
+                        let at = x.sums16.as_ptr().add(2 * (i * xblocks + gi * g));
+                        (
+                            _mm256_maskload_ps(at, masks[0]),
+                            _mm256_maskload_ps(at.add(8), masks[1]),
+                        )
+                    };
+                    for k in 0..RW {
+                        let t = &mut totals[i * RW + k];
+                        let mut v = match uniform {
+                            true => _mm256_fmadd_ps(acc[k][j], tile[k].d[0], *t),
+                            false => _mm256_add_ps(acc[k][j], *t),
+                        };
+                        if F != Q8_0 {
+                            let mins = tile[k].mins.as_ptr();
+                            v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins), s0, v);
+                            v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins.add(8)), s1, v);
+                        }
+                        *t = v;
+                    }
+                }
+            }
+        }
+        for i in 0..m {
+            for k in 0..RW.min(r1 - rt) {
+                // SAFETY: row i < M, column rt + k < r1: ours to write (the caller's).
+                unsafe { *y.add(i * w.rows + rt + k) = hsum(totals[i * RW + k]) };
+            }
+        }
+    }
+}
+
+/// The sum of the 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum(acc: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
