@@ -29,7 +29,9 @@ pub(super) fn build(
     };
     let vb = VarBuilder::from_backend(Box::new(counting), dtype, device.clone());
     let model = Transformer::new_quantized(cfg, vb, quant)?;
-    Ok((model, params.load(Ordering::Relaxed)))
+    // An embedding kept in the file's blocks is not read through the VarBuilder.
+    let params = params.load(Ordering::Relaxed) + model.embedding_elements_in_blocks();
+    Ok((model, params))
 }
 
 /// Counts the elements of every tensor the model takes, so the parameter count is what was

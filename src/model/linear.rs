@@ -52,6 +52,15 @@ impl Linear {
         }
     }
 
+    /// A layer whose weight is `q`'s blocks (shared: a tied LM head and the embedding).
+    pub fn from_blocks(q: Arc<QWeight>, name: impl Into<String>) -> Self {
+        Self {
+            weight: Weight::Blocks(q),
+            bias: None,
+            name: Some(name.into()),
+        }
+    }
+
     /// This layer, its weight named `name` in the checkpoint.
     pub fn named(self, name: impl Into<String>) -> Self {
         Self {
@@ -101,20 +110,7 @@ impl Linear {
             return Ok(false);
         }
         let (dev, (rows, cols)) = (w.device().clone(), w.dims2()?);
-        let ours = match q {
-            GgmlDType::Q8_0 => Some(Format::Q8_0),
-            GgmlDType::Q4_0 => Some(Format::Q4_0),
-            GgmlDType::Q4_1 => Some(Format::Q4_1),
-            GgmlDType::Q5_0 => Some(Format::Q5_0),
-            GgmlDType::Q5_1 => Some(Format::Q5_1),
-            GgmlDType::Q2K => Some(Format::Q2K),
-            GgmlDType::Q3K => Some(Format::Q3K),
-            GgmlDType::Q4K => Some(Format::Q4K),
-            GgmlDType::Q5K => Some(Format::Q5K),
-            GgmlDType::Q6K => Some(Format::Q6K),
-            _ => None,
-        }
-        .filter(|_| dev.is_cpu());
+        let ours = our_format(q).filter(|_| dev.is_cpu());
         let unreadable =
             |what: &str| candle_core::Error::Msg(format!("cannot read {what} as {q:?}"));
         self.weight = match (blocks, ours) {
@@ -147,6 +143,36 @@ impl Linear {
         };
         Ok(true)
     }
+}
+
+/// Our CPU kernels' name for one of ggml's block formats, if they run it.
+pub fn our_format(q: GgmlDType) -> Option<Format> {
+    Some(match q {
+        GgmlDType::Q8_0 => Format::Q8_0,
+        GgmlDType::Q4_0 => Format::Q4_0,
+        GgmlDType::Q4_1 => Format::Q4_1,
+        GgmlDType::Q5_0 => Format::Q5_0,
+        GgmlDType::Q5_1 => Format::Q5_1,
+        GgmlDType::Q2K => Format::Q2K,
+        GgmlDType::Q3K => Format::Q3K,
+        GgmlDType::Q4K => Format::Q4K,
+        GgmlDType::Q5K => Format::Q5K,
+        GgmlDType::Q6K => Format::Q6K,
+        _ => return None,
+    })
+}
+
+/// A file's stored blocks (a GGUF's, read on CPU) as our kernels' weight, when they run
+/// its format.
+pub fn stored_weight(t: &QTensor) -> Result<Option<Arc<QWeight>>> {
+    let Some(format) = our_format(t.dtype()).filter(|_| t.device().is_cpu()) else {
+        return Ok(None);
+    };
+    let (rows, cols) = t.shape().dims2()?;
+    let q = QWeight::from_ggml(format, rows, cols, &t.data()?).ok_or_else(|| {
+        candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", t.dtype()))
+    })?;
+    Ok(Some(Arc::new(q)))
 }
 
 impl From<candle_nn::Linear> for Linear {

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
@@ -17,9 +18,13 @@ use attention::Span;
 use block::DecoderLayer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{embedding, Embedding, RmsNorm, VarBuilder};
-use linear::{Linear, Quantizer};
+use candle_nn::{RmsNorm, VarBuilder};
+use embedding::TokenEmbedding;
+use linear::{Blocks, Linear, Quantizer};
 use rope::Rope;
+
+/// The embedding's name in a checkpoint (and its tied LM head's).
+const EMBEDDING: &str = "model.embed_tokens.weight";
 
 /// Prompt tokens per forward: bounds the (heads, chunk, context) attention scores a long
 /// prompt materialises, as llama.cpp's micro-batches do.
@@ -60,12 +65,13 @@ pub struct Feed<'a> {
 
 #[derive(Debug, Clone)]
 pub struct Transformer {
-    embed_tokens: Embedding,
+    embed_tokens: TokenEmbedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// The embedding matrix itself when `tie_word_embeddings` is set.
     lm_head: Linear,
     rope: Rope,
+    device: Device,
     cfg: ModelConfig,
     /// The block format of the layers' projections, and the bytes it saved against the
     /// dense weights (less a tied LM head's blocks, kept beside the embedding); `None` when
@@ -89,8 +95,31 @@ impl Transformer {
         quant: Option<&dyn Quantizer>,
     ) -> Result<Self> {
         let vb_m = vb.pp("model");
-        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
         let mut saved = 0;
+        // A file's own blocks for the embedding (a GGUF's, on CPU) are kept as they are.
+        let stored = match quant
+            .map(|q| q.blocks(Some(EMBEDDING)))
+            .transpose()?
+            .flatten()
+        {
+            Some(Blocks::Stored(t)) if vb.device().is_cpu() => linear::stored_weight(&t)?,
+            _ => None,
+        };
+        let embed_tokens = match stored {
+            Some(table) => {
+                let dense = cfg.vocab_size * cfg.hidden_size * vb.dtype().size_in_bytes();
+                saved += dense as isize - table.bytes() as isize;
+                TokenEmbedding::Blocks {
+                    table,
+                    dtype: vb.dtype(),
+                }
+            }
+            None => TokenEmbedding::Dense(candle_nn::embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                vb_m.pp("embed_tokens"),
+            )?),
+        };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let mut layer = DecoderLayer::new(cfg, i, vb_m.pp("layers").pp(i))?;
@@ -99,10 +128,17 @@ impl Transformer {
             }
             layers.push(layer);
         }
-        let mut lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None).named("model.embed_tokens.weight")
-        } else {
-            linear::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        let mut lm_head = match (&embed_tokens, cfg.tie_word_embeddings) {
+            // Tied to the embedding's blocks: the same ones, counted once.
+            (TokenEmbedding::Blocks { table, .. }, true) => {
+                Linear::from_blocks(table.clone(), EMBEDDING)
+            }
+            (TokenEmbedding::Dense(e), true) => {
+                Linear::new(e.embeddings().clone(), None).named(EMBEDDING)
+            }
+            (_, false) => {
+                linear::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            }
         };
         if let Some(q) = quant {
             // A tied head's dense weight is the embedding's, counted already.
@@ -122,6 +158,7 @@ impl Transformer {
             norm: rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?,
             lm_head,
             rope,
+            device: vb.device().clone(),
             cfg: cfg.clone(),
             quantized: quant.map(|q| (q.label(), saved)),
         })
@@ -130,10 +167,22 @@ impl Transformer {
     /// Bytes of the embedding table a decode step does not read (it reads one row): all of
     /// them, unless the LM head multiplies by that very table (tied, not quantized to blocks).
     pub fn embedding_bytes_unread(&self) -> usize {
-        let table = self.embed_tokens.embeddings();
-        match self.cfg.tie_word_embeddings && self.lm_head.weight().is_some() {
+        let shared = match &self.embed_tokens {
+            TokenEmbedding::Dense(_) => self.lm_head.weight().is_some(),
+            TokenEmbedding::Blocks { .. } => true,
+        };
+        match self.cfg.tie_word_embeddings && shared {
             true => 0,
-            false => table.elem_count() * table.dtype().size_in_bytes(),
+            false => self.embed_tokens.bytes(),
+        }
+    }
+
+    /// The embedding's parameters when it is held in a file's blocks (it is not read as a
+    /// dense tensor then), else 0.
+    pub fn embedding_elements_in_blocks(&self) -> usize {
+        match &self.embed_tokens {
+            TokenEmbedding::Blocks { table, .. } => table.rows() * table.cols(),
+            TokenEmbedding::Dense(_) => 0,
         }
     }
 
@@ -153,12 +202,12 @@ impl Transformer {
     }
 
     pub fn device(&self) -> &Device {
-        self.embed_tokens.embeddings().device()
+        &self.device
     }
 
     /// The dtype of the weights and the cache (activations: [`activation_dtype`]).
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.embeddings().dtype()
+        self.embed_tokens.dtype()
     }
 
     pub fn layers(&self) -> &[DecoderLayer] {

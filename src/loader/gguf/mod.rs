@@ -24,7 +24,7 @@ use super::headers::TensorInfo;
 use super::{meta, DTypeArg, Description, GenerationConfig, Loaded, TextTokenizer};
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::{candle_message, Error, Result};
-use crate::model::linear::Quantizer;
+use crate::model::linear::{our_format, Quantizer};
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
@@ -189,7 +189,8 @@ impl GgufFile {
         if let Some(q) = self.kept_blocks(dtype, &description.cfg) {
             description.quantization = Some(q.label());
             let dense = (n * run.size_in_bytes()) as isize;
-            description.weight_bytes = (dense - self.kept_blocks_saved(run, tied)) as usize;
+            let saved = self.kept_blocks_saved(run, tied, device.is_cpu());
+            description.weight_bytes = (dense - saved) as usize;
         }
         Ok(description)
     }
@@ -203,8 +204,9 @@ impl GgufFile {
 
     /// Bytes the file's blocks save against dense weights in `run`, by the rule the
     /// [`GgufTensors`] quantizer applies: every projection and LM head stored in blocks
-    /// keeps them; a tied head's blocks come beside the dense embedding.
-    fn kept_blocks_saved(&self, run: DType, tied: bool) -> isize {
+    /// keeps them; on CPU the embedding too, which a tied head shares; elsewhere a tied
+    /// head's blocks come beside the dense embedding.
+    fn kept_blocks_saved(&self, run: DType, tied: bool, cpu: bool) -> isize {
         let infos = self.content.tensor_infos.iter();
         let kept = infos.filter_map(|(n, t)| Some((hf_name(n)?, t)));
         kept.filter(|(h, t)| keeps_blocks(h) && is_blocks(t.ggml_dtype))
@@ -212,6 +214,9 @@ impl GgufFile {
                 let elems = t.shape.elem_count();
                 let stored = super::dtype::quantized_bytes(t.ggml_dtype, elems) as isize;
                 match h.as_str() {
+                    "model.embed_tokens.weight" if cpu && our_format(t.ggml_dtype).is_some() => {
+                        (elems * run.size_in_bytes()) as isize - stored
+                    }
                     "model.embed_tokens.weight" if tied => -stored,
                     "model.embed_tokens.weight" => 0,
                     _ => (elems * run.size_in_bytes()) as isize - stored,
