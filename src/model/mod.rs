@@ -105,6 +105,18 @@ impl Transformer {
             Some(Blocks::Stored(t)) if vb.device().is_cpu() => linear::stored_weight(&t)?,
             _ => None,
         };
+        if let Some(table) = &stored {
+            let want = (cfg.vocab_size, cfg.hidden_size);
+            if (table.rows(), table.cols()) != want {
+                return Err(Error::Weights(format!(
+                    "{EMBEDDING}: stored blocks of {}x{} do not match the config's {}x{}",
+                    table.rows(),
+                    table.cols(),
+                    want.0,
+                    want.1
+                )));
+            }
+        }
         let embed_tokens = match stored {
             Some(table) => {
                 let dense = cfg.vocab_size * cfg.hidden_size * vb.dtype().size_in_bytes();

@@ -38,7 +38,9 @@ pub(super) fn quantize_q8(x: &[f32], q: &mut [u8]) -> f32 {
     let d = amax / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (q, v) in q.iter_mut().zip(x) {
-        *q = (v * inv).round() as i8 as u8;
+        // Clamped to ±127: a subnormal d makes inv infinite, and the kernels' sign trick and
+        // `maddubs` bounds rely on |q| <= 127.
+        *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
     }
     d
 }

@@ -280,12 +280,15 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                     // The x row's half sums of this group, read where they lie (the lanes past
                     // its 2g halves masked off: they are 0, as the minimums there are).
                     // SAFETY: 2g halves of group gi of row i exist; masked lanes are not read.
+                    // The second eight are only addressed when the group has them (past the
+                    // end of sums16 the pointer itself would be out of bounds).
                     let (s0, s1) = unsafe {
                         let at = x.sums16.as_ptr().add(2 * (i * xblocks + gi * g));
-                        (
-                            _mm256_maskload_ps(at, masks[0]),
-                            _mm256_maskload_ps(at.add(8), masks[1]),
-                        )
+                        let s1 = match 2 * g > 8 {
+                            true => _mm256_maskload_ps(at.add(8), masks[1]),
+                            false => _mm256_setzero_ps(),
+                        };
+                        (_mm256_maskload_ps(at, masks[0]), s1)
                     };
                     for k in 0..RW {
                         let t = &mut totals[i * RW + k];
