@@ -11,7 +11,7 @@
 //!
 //! The formats with integer sub-scales (the K-quants Q2_K ... Q6_K) and the 5-bit ones
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
-//! ([`kquant`]), against the same Q8_0 rows of x.
+//! (`quant/kquant.rs`), against the same Q8_0 rows of x.
 //!
 //! Over 300 lines on purpose: the formats' table, the constructors that establish what the
 //! kernels' unchecked loads rely on, and the product that checks it once belong together.
