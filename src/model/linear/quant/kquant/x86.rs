@@ -3,7 +3,7 @@
 //! the two halves' scales, one FMA by `d·dx`. The format is a constant, so each format's
 //! kernel is compiled with no branch on it inside its loops.
 
-use super::{scales, Format, QRows, QWeight, BLOCK};
+use super::{scales, Format, QRows, QWeight, BLOCK, QK_K};
 use std::arch::x86_64::*;
 
 // The formats as constants (the tile kernel, `quant::tile`, adds the split formats' 7-9).
@@ -131,42 +131,53 @@ unsafe fn dot_in<const F: u8, const R: usize>(
     i0: usize,
 ) -> [f32; R] {
     let format = w.format;
-    let (per, bytes) = (format.block_weights(), format.ggml_bytes());
-    let (blocks, chunks, xblocks) = (w.cols / per, per / BLOCK, w.cols / BLOCK);
-    let mut acc = [_mm256_setzero_ps(); R];
+    let bytes = format.ggml_bytes();
+    const CHUNKS: usize = QK_K / BLOCK;
+    let (blocks, xblocks) = (w.cols / QK_K, w.cols / BLOCK);
+    // Two accumulators per x row, for even and odd chunks, so that consecutive chunks' FMAs
+    // do not wait on each other.
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let mut mins = [0f32; R];
     for b in 0..blocks {
         let blk = &w.quants[(r * blocks + b) * bytes..][..bytes];
         let s = scales(format, blk);
         let mut block_mins = [0f32; R];
-        for c in 0..chunks {
-            // SAFETY: blk is a whole block of this format (sliced, so checked), c < chunks.
-            let u = unsafe { quants::<F>(blk.as_ptr(), c) };
-            let sv = _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
-            let (m0, m1) = (s.m[2 * c] as f32, s.m[2 * c + 1] as f32);
-            for k in 0..R {
-                let xb = (i0 + k) * xblocks + b * chunks + c;
-                // SAFETY: block xb of x exists (the caller's rows, of w's width), with its
-                // scale and two half sums.
-                let (xv, dx, h0, h1) = unsafe {
-                    (
-                        _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
-                        *x.scales.get_unchecked(xb),
-                        *x.sums16.get_unchecked(2 * xb),
-                        *x.sums16.get_unchecked(2 * xb + 1),
-                    )
-                };
-                let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sv);
-                let scale = _mm256_set1_ps(s.d * dx);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k]);
-                block_mins[k] += m0 * h0 + m1 * h1;
-            }
+        macro_rules! chunk {
+            ($c:expr, $h:literal) => {{
+                let c = $c;
+                // SAFETY: blk is a whole block of this format (sliced, so checked), c < 8.
+                let u = unsafe { quants::<F>(blk.as_ptr(), c) };
+                let sv =
+                    _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
+                let (m0, m1) = (s.m[2 * c] as f32, s.m[2 * c + 1] as f32);
+                for k in 0..R {
+                    let xb = (i0 + k) * xblocks + b * CHUNKS + c;
+                    // SAFETY: block xb of x exists (the caller's rows, of w's width), with its
+                    // scale and two half sums.
+                    let (xv, dx, h0, h1) = unsafe {
+                        (
+                            _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
+                            *x.scales.get_unchecked(xb),
+                            *x.sums16.get_unchecked(2 * xb),
+                            *x.sums16.get_unchecked(2 * xb + 1),
+                        )
+                    };
+                    let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sv);
+                    let scale = _mm256_set1_ps(s.d * dx);
+                    acc[k][$h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][$h]);
+                    block_mins[k] += m0 * h0 + m1 * h1;
+                }
+            }};
+        }
+        for c in (0..CHUNKS).step_by(2) {
+            chunk!(c, 0);
+            chunk!(c + 1, 1);
         }
         for k in 0..R {
             mins[k] += s.dmin * block_mins[k];
         }
     }
-    std::array::from_fn(|k| hsum(acc[k]) - mins[k])
+    std::array::from_fn(|k| hsum(_mm256_add_ps(acc[k][0], acc[k][1])) - mins[k])
 }
 
 /// [`dot`] for the 5-bit formats, whose blocks are a single chunk with one scale: the
