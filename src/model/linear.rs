@@ -14,11 +14,11 @@ pub mod quant;
 mod quantizer;
 pub mod simd;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
-use quant::{Format, QWeight};
-pub use quantizer::{is_head, quantize_all, Blocks, Quantizer};
+use quant::QWeight;
+pub use quantizer::{is_head, our_format, quantize_all, stored_weight, Blocks, Quantizer};
 use simd::Isa;
 use std::sync::Arc;
 
@@ -143,36 +143,6 @@ impl Linear {
         };
         Ok(true)
     }
-}
-
-/// Our CPU kernels' name for one of ggml's block formats, if they run it.
-pub fn our_format(q: GgmlDType) -> Option<Format> {
-    Some(match q {
-        GgmlDType::Q8_0 => Format::Q8_0,
-        GgmlDType::Q4_0 => Format::Q4_0,
-        GgmlDType::Q4_1 => Format::Q4_1,
-        GgmlDType::Q5_0 => Format::Q5_0,
-        GgmlDType::Q5_1 => Format::Q5_1,
-        GgmlDType::Q2K => Format::Q2K,
-        GgmlDType::Q3K => Format::Q3K,
-        GgmlDType::Q4K => Format::Q4K,
-        GgmlDType::Q5K => Format::Q5K,
-        GgmlDType::Q6K => Format::Q6K,
-        _ => return None,
-    })
-}
-
-/// A file's stored blocks (a GGUF's, read on CPU) as our kernels' weight, when they run
-/// its format.
-pub fn stored_weight(t: &QTensor) -> Result<Option<Arc<QWeight>>> {
-    let Some(format) = our_format(t.dtype()).filter(|_| t.device().is_cpu()) else {
-        return Ok(None);
-    };
-    let (rows, cols) = t.shape().dims2()?;
-    let q = QWeight::from_ggml(format, rows, cols, &t.data()?).ok_or_else(|| {
-        candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", t.dtype()))
-    })?;
-    Ok(Some(Arc::new(q)))
 }
 
 impl From<candle_nn::Linear> for Linear {

@@ -9,6 +9,9 @@
 //! q - 8 in the register and go through `maddubs` with the sign trick, as llama.cpp does:
 //! a running scalar sum of offsets, one add per block waiting on the last, made Q4_0
 //! decode wait on its latency; Q4_1's minimum keeps it.
+//!
+//! Over 300 lines on purpose: the one door of a row's dot product for every format (the
+//! others are passed on to `kquant`), its ISA forms, and the x86 helpers they share.
 
 use super::{Format, QRows, QWeight, BLOCK};
 #[cfg(target_arch = "aarch64")]
@@ -120,7 +123,7 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 mod arm;
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{Format, QRows, QWeight, BLOCK};
     use std::arch::x86_64::*;
 
@@ -197,7 +200,7 @@ mod x86 {
     /// An f16 as f32 in two instructions (`half`'s conversion is a call per value).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn widen(h: half::f16) -> f32 {
+    pub(in crate::model::linear::quant) fn widen(h: half::f16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
     }
 
@@ -289,7 +292,7 @@ mod x86 {
     /// The sum of the 8 lanes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn hsum(acc: __m256) -> f32 {
+    pub(in crate::model::linear::quant) fn hsum(acc: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));

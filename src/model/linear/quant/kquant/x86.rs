@@ -3,7 +3,9 @@
 //! the two halves' scales, one FMA by `d·dx`. The format is a constant, so each format's
 //! kernel is compiled with no branch on it inside its loops.
 
+use super::super::simd::x86::{hsum, widen};
 use super::{scales, Format, QRows, QWeight, BLOCK, QK_K};
+use half::f16;
 use std::arch::x86_64::*;
 
 // The formats as constants (the tile kernel, `quant::tile`, adds the split formats' 7-9).
@@ -208,13 +210,17 @@ unsafe fn dot_5<const F: u8, const R: usize>(
             let blk = &row[b * bytes..(b + 1) * bytes];
             // SAFETY: blk is a whole block of this format.
             let q = unsafe { quants::<F>(blk.as_ptr(), 0) };
-            let d = widen([blk[0], blk[1]]);
+            let d = widen(f16::from_le_bytes([blk[0], blk[1]]));
             let (u, signed) = match F {
                 Q5_0 => {
                     let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
                     (_mm256_sign_epi8(q, q), Some(q))
                 }
                 _ => (q, None),
+            };
+            let m = match F {
+                Q5_1 => widen(f16::from_le_bytes([blk[2], blk[3]])),
+                _ => 0.0,
             };
             for k in 0..R {
                 let xb = (i0 + k) * blocks + b;
@@ -234,7 +240,7 @@ unsafe fn dot_5<const F: u8, const R: usize>(
                 acc[k][$h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][$h]);
                 if F == Q5_1 {
                     // SAFETY: as above.
-                    mins[k] += widen([blk[2], blk[3]]) * unsafe { *x.sums.get_unchecked(xb) };
+                    mins[k] += m * unsafe { *x.sums.get_unchecked(xb) };
                 }
             }
         }};
@@ -249,23 +255,4 @@ unsafe fn dot_5<const F: u8, const R: usize>(
         block!(b, 0);
     }
     std::array::from_fn(|k| hsum(_mm256_add_ps(acc[k][0], acc[k][1])) + mins[k])
-}
-
-/// An f16 (as its two little-endian bytes) as f32, by F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn widen(h: [u8; 2]) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(
-        _mm_cvtsi32_si128(u16::from_le_bytes(h) as i32),
-    ))
-}
-
-/// The sum of the 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum(acc: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }

@@ -16,6 +16,7 @@
 
 use super::super::kquant::x86::{quants, Q2K, Q3K, Q4K, Q5K, Q5_0, Q5_1, Q6K};
 use super::super::kquant::{scales, QK_K};
+use super::super::simd::x86::hsum;
 use super::super::{Format, QRows, QWeight, BLOCK};
 use std::arch::x86_64::*;
 
@@ -313,14 +314,4 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
             }
         }
     }
-}
-
-/// The sum of the 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum(acc: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }
