@@ -115,15 +115,21 @@ pub struct QWeight {
     quants: Vec<u8>,
 }
 
-/// Rows of x in Q8_0 with f32 scales: the other operand of every dot product.
+/// Rows of x in Q8_0 with f32 scales: the other operand of every dot product. Against a
+/// K-quant weight, one scale spans a superblock's 256 values (llama.cpp's Q8_K), repeated
+/// for each of its 32-value blocks, so that the kernels sum a superblock in integers.
 pub struct QRows {
     cols: usize,
+    /// Values per scale: [`BLOCK`], or [`kquant::QK_K`].
+    span: usize,
     scales: Vec<f32>,
     /// Per block, `d · Σ q`: what a Q4_1 weight block's minimum multiplies.
     sums: Vec<f32>,
     /// The same per half block (16 values): what the sub-block minimums of [`kquant`]'s
     /// formats multiply.
     sums16: Vec<f32>,
+    /// `Σ q` per half block, in integers: the K-quant kernels' minimums.
+    isums16: Vec<i16>,
     quants: Vec<i8>,
 }
 
@@ -281,7 +287,7 @@ impl QWeight {
             "quantized product: a {}x{} weight whose blocks do not match its shape",
             self.rows, self.cols
         );
-        let xq = QRows::quantize(x, self.cols);
+        let xq = QRows::quantize_for(self.format, x, self.cols);
         debug_assert_eq!(xq.scales.len(), m * self.cols / BLOCK);
         let pool = Pool::global();
         let out = Out(y.as_mut_ptr());

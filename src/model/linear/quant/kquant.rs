@@ -7,10 +7,12 @@
 //! an integer scale s and an integer m per 16 weights, and the block's f32 `d` and `dmin`,
 //! so that `w = d·s·q − dmin·m`. A format with signed quants folds its offset into m
 //! (Q6_K's q − 32: dmin = d, m = 32·s; Q3_K's q − 4; Q5_0's q − 16), and Q5_1's minimum is
-//! dmin = −m with m = 1. Against a Q8_0 row of x (scale `dx` per 32 values, `sums16` per 16)
+//! dmin = −m with m = 1. Against a row of x in 8-bit blocks (scale `dx`, `sums16` per 16 values)
 //! a chunk's share of the dot product is `d·dx·Σ_h s_h·Σ q·x_q − dmin·Σ_h m_h·sums16_h`:
 //! unsigned bytes times signed ones, `maddubs` on AVX2 (q ≤ 63, so the pairs cannot
-//! saturate), then the halves' scales by `madd` ([`x86`]). The layouts are ggml's
+//! saturate), then the halves' scales by `madd` ([`x86`]). Against a K-quant, x has one
+//! scale per superblock (llama.cpp's Q8_K, [`QRows::quantize_for`]), so that a superblock
+//! sums in integers and `d·dx` multiplies once. The layouts are ggml's
 //! (`ggml-common.h`); [`quants`] and [`scales`] are the reference the SIMD form is tested
 //! against, and the product of a CPU without AVX2 (NEON has no form of its own yet).
 
@@ -36,21 +38,31 @@ fn half(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Q4_K's and Q5_K's scale and minimum of sub-block `j` (of 8) from their 12 packed bytes
-/// (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, q: &[u8]) -> (i16, i16) {
-    let (s, m) = match j < 4 {
-        true => (q[j] & 63, q[j + 4] & 63),
-        false => (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        ),
-    };
-    (s as i16, m as i16)
+/// Q4_K's and Q5_K's 8 six-bit scales and 8 minimums from their 12 packed bytes, all at
+/// once in 32-bit words (llama.cpp's `utmp` form of `get_scale_min_k4`: scales are bytes
+/// 0-7 of the result, minimums 8-15).
+pub(super) fn scale_min_k4(q: &[u8; 12]) -> [u8; 16] {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let word = |k: usize| u32::from_le_bytes([q[4 * k], q[4 * k + 1], q[4 * k + 2], q[4 * k + 3]]);
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let out = [
+        u0 & KMASK1,
+        (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4),
+        u1 & KMASK1,
+        ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4),
+    ];
+    let mut bytes = [0u8; 16];
+    for (b, w) in bytes.chunks_exact_mut(4).zip(out) {
+        b.copy_from_slice(&w.to_le_bytes());
+    }
+    bytes
 }
 
-/// Q3_K's 16 six-bit scales from their 12 packed bytes, less 32 (ggml's `dequantize_row_q3_K`).
-fn q3k_scales(b: &[u8]) -> [i16; 16] {
+/// Q3_K's 16 six-bit scales from their 12 packed bytes, as stored (32 too large: ggml's
+/// `dequantize_row_q3_K`).
+pub(super) fn q3k_scales(b: &[u8; 12]) -> [u8; 16] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let word = |k: usize| u32::from_le_bytes([b[4 * k], b[4 * k + 1], b[4 * k + 2], b[4 * k + 3]]);
@@ -61,7 +73,7 @@ fn q3k_scales(b: &[u8]) -> [i16; 16] {
         ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
         ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
     ];
-    std::array::from_fn(|j| ((aux[j / 4] >> (8 * (j % 4))) & 0xFF) as i16 - 32)
+    std::array::from_fn(|j| ((aux[j / 4] >> (8 * (j % 4))) & 0xFF) as u8)
 }
 
 /// The scales of block `b` (its ggml bytes) of a format kept in ggml's blocks.
@@ -84,7 +96,10 @@ pub(super) fn scales(format: Format, b: &[u8]) -> Scales {
             std::array::from_fn(|j| b[192 + j] as i8 as i16),
             32,
         ),
-        Format::Q3K => offset(half(b, 108), q3k_scales(&b[96..108]), 4),
+        Format::Q3K => {
+            let raw = q3k_scales(b[96..108].try_into().expect("12 bytes"));
+            offset(half(b, 108), raw.map(|s| s as i16 - 32), 4)
+        }
         Format::Q5_0 => offset(half(b, 0), [1; 16], 16),
         Format::Q5_1 => {
             (out.d, out.dmin) = (half(b, 0), -half(b, 2));
@@ -97,9 +112,9 @@ pub(super) fn scales(format: Format, b: &[u8]) -> Scales {
         }
         Format::Q4K | Format::Q5K => {
             (out.d, out.dmin) = (half(b, 0), half(b, 2));
-            for j in 0..16 {
-                (out.s[j], out.m[j]) = scale_min_k4(j / 2, &b[4..16]);
-            }
+            let sm = scale_min_k4(b[4..16].try_into().expect("12 bytes"));
+            out.s = std::array::from_fn(|j| sm[j / 2] as i16);
+            out.m = std::array::from_fn(|j| sm[8 + j / 2] as i16);
         }
         Format::Q8_0 | Format::Q4_0 | Format::Q4_1 => {
             unreachable!("{format:?} keeps its scales apart")

@@ -2,31 +2,53 @@
 //! q8_0|q4_0`, and Q4_1 for the tests) and the rows of x, in Q8_0, at every product; and
 //! blocks back to f32 (prompt products through `gemm`, and the tests' reference).
 
+use super::kquant::QK_K;
 use super::{Format, QRows, QWeight, BLOCK};
 
 impl QRows {
     /// Quantizes each row of `x` (rows of `cols`) to Q8_0 blocks.
     pub fn quantize(x: &[f32], cols: usize) -> Self {
+        Self::quantize_span(x, cols, BLOCK)
+    }
+
+    /// Quantizes `x` for a product with a weight in `format`: one scale per 256 values
+    /// against a K-quant (what its kernels sum in integers, as llama.cpp's Q8_K), else per 32.
+    pub fn quantize_for(format: Format, x: &[f32], cols: usize) -> Self {
+        let span = match format.block_weights() {
+            QK_K if cols.is_multiple_of(QK_K) => QK_K,
+            _ => BLOCK,
+        };
+        Self::quantize_span(x, cols, span)
+    }
+
+    fn quantize_span(x: &[f32], cols: usize, span: usize) -> Self {
         let mut quants = vec![0u8; x.len()];
         let scales: Vec<f32> = x
-            .chunks_exact(BLOCK)
-            .zip(quants.chunks_exact_mut(BLOCK))
-            .map(|(x, q)| quantize_q8(x, q))
+            .chunks_exact(span)
+            .zip(quants.chunks_exact_mut(span))
+            .flat_map(|(x, q)| std::iter::repeat_n(quantize_q8(x, q), span / BLOCK))
             .collect();
         // Two's complement bytes read as i8.
         let quants: Vec<i8> = quants.into_iter().map(|b| b as i8).collect();
-        let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>() as f32;
+        let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
         let sums = (quants.chunks_exact(BLOCK).zip(&scales))
-            .map(|(q, d)| d * sum(q))
+            .map(|(q, d)| d * sum(q) as f32)
             .collect();
-        let sums16 = (quants.chunks_exact(BLOCK / 2).enumerate())
-            .map(|(h, q)| scales[h / 2] * sum(q))
+        // |Σ| <= 16 · 127: an i16.
+        let isums16: Vec<i16> = quants
+            .chunks_exact(BLOCK / 2)
+            .map(|q| sum(q) as i16)
+            .collect();
+        let sums16 = (isums16.iter().enumerate())
+            .map(|(h, &s)| scales[h / 2] * s as f32)
             .collect();
         Self {
             cols,
+            span,
             scales,
             sums,
             sums16,
+            isums16,
             quants,
         }
     }

@@ -27,7 +27,8 @@ pub fn tile_rows() -> usize {
 /// Rows `r0..r1` of `y (M, w.rows) = x · wᵀ` for every row of `x`.
 ///
 /// # Safety
-/// [`available`]; `r0 <= r1 <= w.rows`; `x` holds M rows of `w`'s width; `y` is valid for
+/// [`available`]; `r0 <= r1 <= w.rows`; `x` holds M rows of `w`'s width, rounded for its
+/// format ([`QRows::quantize_for`]); `y` is valid for
 /// writes at `i · w.rows + r` for i < M and r0 <= r < r1, which nothing else touches
 /// meanwhile; `w`'s blocks match its shape (`QWeight::product` checks it).
 pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {

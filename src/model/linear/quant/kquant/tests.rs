@@ -75,7 +75,7 @@ fn products_equal_the_dequantized_weights() {
         let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
         for m in [1, 4, 9] {
             let x = data(m * cols, 3 + m as u32);
-            let xq = QRows::quantize(&x, cols);
+            let xq = QRows::quantize_for(format, &x, cols);
             let mut y = vec![0f32; m * rows];
             q.product(&x, &mut y);
             for i in 0..m {
@@ -120,7 +120,7 @@ fn vector_form_equals_the_scalar_loop() {
         let (bytes, _) = made(ggml, rows, cols, 4);
         let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
         let m = 6;
-        let xq = QRows::quantize(&data(m * cols, 5), cols);
+        let xq = QRows::quantize_for(format, &data(m * cols, 5), cols);
         for r in 0..rows {
             // SAFETY: r < rows; rows 0..4 and 0..m of xq, of q's width.
             let (four, one) = unsafe { (dot4(&q, r, &xq, 1), dot(&q, r, &xq, 5)) };

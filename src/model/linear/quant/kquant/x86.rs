@@ -1,10 +1,15 @@
 //! [`super`]'s dot product on AVX2: a chunk's quants unpacked to 32 unsigned bytes in
-//! registers (shifts and masks of ggml's bit planes), `maddubs` with x's bytes, `madd` with
-//! the two halves' scales, one FMA by `d·dx`. The format is a constant, so each format's
+//! registers (shifts and masks of ggml's bit planes), a superblock's scales unpacked to
+//! 16-bit lanes by byte shuffles ([`lanes`]), `maddubs` with x's bytes, `madd` with the two
+//! halves' scales, summed in integers over the superblock (x has one scale per superblock
+//! against a K-quant) and one FMA by `d·dx`. The format is a constant, so each format's
 //! kernel is compiled with no branch on it inside its loops.
+//!
+//! Over 300 lines on purpose: the unpacking of every format's quants and scales is shared
+//! by this kernel and the tile kernel (`quant::tile`), and is read most easily in one place.
 
 use super::super::simd::x86::{hsum, widen};
-use super::{scales, Format, QRows, QWeight, BLOCK, QK_K};
+use super::{q3k_scales, scale_min_k4, Format, QRows, QWeight, BLOCK, QK_K};
 use half::f16;
 use std::arch::x86_64::*;
 
@@ -99,10 +104,12 @@ pub(in crate::model::linear::quant) unsafe fn quants<const F: u8>(
 /// Weight row `r` times rows `i0..i0 + R` of x.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `r` is a row of `w`, rows `i0..i0 + R` of `x` exist, of `w`'s width;
-/// `w`'s blocks match its shape (`QWeight::product` checks it).
+/// AVX2, FMA and F16C; `r` is a row of `w`, rows `i0..i0 + R` of `x` exist, of `w`'s width,
+/// rounded for its format ([`QRows::quantize_for`]); `w`'s blocks match its shape
+/// (`QWeight::product` checks it).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot<const R: usize>(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; R] {
+    debug_assert!(w.format.block_weights() != QK_K || x.span == QK_K);
     // SAFETY: the caller's.
     unsafe {
         match w.format {
@@ -120,8 +127,117 @@ pub unsafe fn dot<const R: usize>(w: &QWeight, r: usize, x: &QRows, i0: usize) -
     }
 }
 
-/// [`dot`] for one format. Each x row has two accumulators, for even and odd chunks, so
-/// consecutive FMAs do not wait on each other.
+/// A K-quant superblock's scales in registers: [`super::Scales`] with `s` and `m` as 16
+/// 16-bit lanes, unpacked by byte shuffles and widenings rather than one lane at a time.
+pub(in crate::model::linear::quant) struct Lanes {
+    pub d: f32,
+    pub dmin: f32,
+    pub s: __m256i,
+    pub m: __m256i,
+}
+
+/// The scales of superblock `b` (its ggml bytes) of K-quant format F.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(in crate::model::linear::quant) fn lanes<const F: u8>(b: &[u8]) -> Lanes {
+    let half = |at: usize| widen(f16::from_le_bytes([b[at], b[at + 1]]));
+    let bytes = |v: &[u8]| {
+        let v: &[u8; 16] = v[..16].try_into().expect("16 bytes");
+        // SAFETY: 16 bytes.
+        unsafe { _mm_loadu_si128(v.as_ptr() as *const __m128i) }
+    };
+    match F {
+        Q6K => {
+            let s = _mm256_cvtepi8_epi16(bytes(&b[192..]));
+            let d = half(208);
+            let m = _mm256_slli_epi16::<5>(s);
+            Lanes { d, dmin: d, s, m }
+        }
+        Q3K => {
+            let raw = q3k_scales(b[96..108].try_into().expect("12 bytes"));
+            let s = _mm256_sub_epi16(_mm256_cvtepu8_epi16(bytes(&raw)), _mm256_set1_epi16(32));
+            let d = half(108);
+            let m = _mm256_slli_epi16::<2>(s);
+            Lanes { d, dmin: d, s, m }
+        }
+        Q2K => {
+            let v = bytes(b);
+            let low = _mm_set1_epi8(0x0F);
+            Lanes {
+                d: half(80),
+                dmin: half(82),
+                s: _mm256_cvtepu8_epi16(_mm_and_si128(v, low)),
+                m: _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), low)),
+            }
+        }
+        _ => {
+            // Q4_K, Q5_K: one scale and minimum per 32, each twice (per 16).
+            let v = bytes(&scale_min_k4(b[4..16].try_into().expect("12 bytes")));
+            Lanes {
+                d: half(0),
+                dmin: half(2),
+                s: _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)),
+                m: _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v)),
+            }
+        }
+    }
+}
+
+/// The two halves' scales of each chunk of a superblock, as `madd` multiplies them: chunk
+/// c's lanes 0-7 hold `s[2c]`, lanes 8-15 `s[2c + 1]` (one byte shuffle of the 16 scales per
+/// chunk, rather than two broadcasts from memory).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(in crate::model::linear::quant) fn chunk_scales(all: __m256i) -> [__m256i; QK_K / BLOCK] {
+    let (lo, hi) = (
+        _mm256_broadcastsi128_si256(_mm256_castsi256_si128(all)),
+        _mm256_broadcastsi128_si256(_mm256_extracti128_si256::<1>(all)),
+    );
+    std::array::from_fn(|c| {
+        // Bytes 4c', 4c' + 1 (scale 2c') in the low lane, 4c' + 2, 4c' + 3 in the high one.
+        let at = 4 * (c % 4) as i8;
+        let pick = _mm256_setr_epi8(
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at,
+            at + 1,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+            at + 2,
+            at + 3,
+        );
+        _mm256_shuffle_epi8(if c < 4 { lo } else { hi }, pick)
+    })
+}
+
+/// [`dot`] for one format. x has one scale per superblock ([`QRows::quantize_for`]), so a
+/// superblock sums in integers: per chunk and x row `maddubs`, `madd` by the halves' scales
+/// and an add; per superblock one FMA by `d·dx`, and the minimums as one `madd` of the 16
+/// `m` by x's 16 half sums and an FMA by `dmin·dx`.
 ///
 /// # Safety
 /// As [`dot`].
@@ -136,50 +252,42 @@ unsafe fn dot_in<const F: u8, const R: usize>(
     let bytes = format.ggml_bytes();
     const CHUNKS: usize = QK_K / BLOCK;
     let (blocks, xblocks) = (w.cols / QK_K, w.cols / BLOCK);
-    // Two accumulators per x row, for even and odd chunks, so that consecutive chunks' FMAs
-    // do not wait on each other.
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let mut mins = [0f32; R];
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [_mm256_setzero_ps(); R];
     for b in 0..blocks {
         let blk = &w.quants[(r * blocks + b) * bytes..][..bytes];
-        let s = scales(format, blk);
-        let mut block_mins = [0f32; R];
-        macro_rules! chunk {
-            ($c:expr, $h:literal) => {{
-                let c = $c;
-                // SAFETY: blk is a whole block of this format (sliced, so checked), c < 8.
-                let u = unsafe { quants::<F>(blk.as_ptr(), c) };
-                let sv =
-                    _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
-                let (m0, m1) = (s.m[2 * c] as f32, s.m[2 * c + 1] as f32);
-                for k in 0..R {
-                    let xb = (i0 + k) * xblocks + b * CHUNKS + c;
-                    // SAFETY: block xb of x exists (the caller's rows, of w's width), with its
-                    // scale and two half sums.
-                    let (xv, dx, h0, h1) = unsafe {
-                        (
-                            _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
-                            *x.scales.get_unchecked(xb),
-                            *x.sums16.get_unchecked(2 * xb),
-                            *x.sums16.get_unchecked(2 * xb + 1),
-                        )
-                    };
-                    let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sv);
-                    let scale = _mm256_set1_ps(s.d * dx);
-                    acc[k][$h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][$h]);
-                    block_mins[k] += m0 * h0 + m1 * h1;
-                }
-            }};
-        }
-        for c in (0..CHUNKS).step_by(2) {
-            chunk!(c, 0);
-            chunk!(c + 1, 1);
+        let s = lanes::<F>(blk);
+        let sv = chunk_scales(s.s);
+        let mut dots = [_mm256_setzero_si256(); R];
+        for (c, sv) in sv.into_iter().enumerate() {
+            // SAFETY: blk is a whole block of this format (sliced, so checked), c < 8.
+            let u = unsafe { quants::<F>(blk.as_ptr(), c) };
+            for (k, dots) in dots.iter_mut().enumerate() {
+                let xb = (i0 + k) * xblocks + b * CHUNKS + c;
+                // SAFETY: block xb of x exists (the caller's rows, of w's width).
+                let xv = unsafe {
+                    _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i)
+                };
+                let d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sv);
+                *dots = _mm256_add_epi32(*dots, d);
+            }
         }
         for k in 0..R {
-            mins[k] += s.dmin * block_mins[k];
+            let xb = (i0 + k) * xblocks + b * CHUNKS;
+            // SAFETY: the superblock's scale and 16 half sums of x exist.
+            let (dx, sums) = unsafe {
+                (
+                    *x.scales.get_unchecked(xb),
+                    _mm256_loadu_si256(x.isums16.as_ptr().add(2 * xb) as *const __m256i),
+                )
+            };
+            let dots = _mm256_cvtepi32_ps(dots[k]);
+            acc[k] = _mm256_fmadd_ps(dots, _mm256_set1_ps(s.d * dx), acc[k]);
+            let m = _mm256_cvtepi32_ps(_mm256_madd_epi16(s.m, sums));
+            mins[k] = _mm256_fmadd_ps(m, _mm256_set1_ps(s.dmin * dx), mins[k]);
         }
     }
-    std::array::from_fn(|k| hsum(_mm256_add_ps(acc[k][0], acc[k][1])) - mins[k])
+    std::array::from_fn(|k| hsum(_mm256_sub_ps(acc[k], mins[k])))
 }
 
 /// [`dot`] for the 5-bit formats, whose blocks are a single chunk with one scale: the

@@ -6,16 +6,17 @@
 //! worth of memory: each chunk's quants as 32 unsigned bytes (Q8_0's signed, with the sign
 //! trick), the scales of its two halves as 16-bit lanes for `madd`, its `d`, and per half
 //! `dmin·m`. Then every RX rows of x run through it: per weight row, x row and chunk,
-//! `maddubs` + `madd` (2 integer µops for 32 products), a conversion and an FMA by `dx`
-//! (and by `d` for formats whose `d` changes from chunk to chunk). A K-quant's `d` and every
-//! format's minimums are applied once per group, into an f32 vector per (x row, weight
-//! row) kept in memory across the groups.
+//! `maddubs` + `madd` (2 integer µops for 32 products), then for a K-quant an integer add
+//! (x has one scale per superblock, as the weight row's `d`: both are applied once per
+//! group), for the other formats a conversion and an FMA by `d·dx`. Every format's minimums
+//! are applied once per group, into an f32 vector per (x row, weight row) kept in memory
+//! across the groups.
 //!
 //! Over 300 lines on purpose: the decoding of every format into a group and the loop that
 //! reads it are one design (the group's layout is what the loop's registers hold).
 
-use super::super::kquant::x86::{quants, Q2K, Q3K, Q4K, Q5K, Q5_0, Q5_1, Q6K};
-use super::super::kquant::{scales, QK_K};
+use super::super::kquant::x86::{chunk_scales, lanes, quants, Q2K, Q3K, Q4K, Q5K, Q5_0, Q5_1, Q6K};
+use super::super::kquant::QK_K;
 use super::super::simd::x86::hsum;
 use super::super::{Format, QRows, QWeight, BLOCK};
 use std::arch::x86_64::*;
@@ -64,16 +65,21 @@ unsafe fn decode<const F: u8>(w: &QWeight, r: usize, gi: usize, g: usize, out: &
         let bytes = w.format.ggml_bytes();
         let at = (r * (w.cols / QK_K) + gi) * bytes;
         let blk = &w.quants[at..at + bytes];
-        let s = scales(w.format, blk);
+        let s = lanes::<F>(blk);
+        out.scales = chunk_scales(s.s);
         for c in 0..G {
             // SAFETY: blk is a whole superblock.
             out.quants[c] = unsafe { quants::<F>(blk.as_ptr(), c) };
-            out.scales[c] =
-                _mm256_set_m128i(_mm_set1_epi16(s.s[2 * c + 1]), _mm_set1_epi16(s.s[2 * c]));
             out.d[c] = _mm256_set1_ps(s.d);
         }
-        for h in 0..2 * G {
-            out.mins[h] = s.dmin * s.m[h] as f32;
+        let dmin = _mm256_set1_ps(s.dmin);
+        let m =
+            |half: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half)), dmin);
+        let mins = out.mins.as_mut_ptr();
+        // SAFETY: 16 floats.
+        unsafe {
+            _mm256_storeu_ps(mins, m(_mm256_castsi256_si128(s.m)));
+            _mm256_storeu_ps(mins.add(8), m(_mm256_extracti128_si256::<1>(s.m)));
         }
         return;
     }
@@ -247,6 +253,7 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
             }
             for i0 in (0..m).step_by(RX) {
                 let mut acc = [[_mm256_setzero_ps(); RX]; RW];
+                let mut dots = [[_mm256_setzero_si256(); RX]; RW];
                 for c in 0..g {
                     for j in 0..RX {
                         let xb = (i0 + j).min(m - 1) * xblocks + gi * g + c;
@@ -265,14 +272,16 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                                 Q8_0 => (_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)),
                                 _ => (q, xv),
                             };
-                            let dots =
+                            let d =
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), tile[k].scales[c]);
-                            let scale = if uniform {
-                                dx
+                            if uniform {
+                                // One scale for the superblock, of x's too: summed in integers.
+                                dots[k][j] = _mm256_add_epi32(dots[k][j], d);
                             } else {
-                                _mm256_mul_ps(dx, tile[k].d[c])
-                            };
-                            acc[k][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][j]);
+                                let scale = _mm256_mul_ps(dx, tile[k].d[c]);
+                                acc[k][j] =
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[k][j]);
+                            }
                         }
                     }
                 }
@@ -294,7 +303,16 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                     for k in 0..RW {
                         let t = &mut totals[i * RW + k];
                         let mut v = match uniform {
-                            true => _mm256_fmadd_ps(acc[k][j], tile[k].d[0], *t),
+                            true => {
+                                // SAFETY: the group's first block of x row i exists.
+                                let dx = unsafe {
+                                    _mm256_broadcast_ss(
+                                        x.scales.get_unchecked(i * xblocks + gi * g),
+                                    )
+                                };
+                                let scale = _mm256_mul_ps(dx, tile[k].d[0]);
+                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[k][j]), scale, *t)
+                            }
                             false => _mm256_add_ps(acc[k][j], *t),
                         };
                         if F != Q8_0 {
