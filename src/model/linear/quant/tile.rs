@@ -36,6 +36,7 @@ pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {
     // SAFETY: the caller's; Isa::current() says which of the two this CPU runs.
     unsafe {
         match Isa::current().kind() {
+            IsaKind::Avx512 if vnni::available() => vnni::rows::<4, 4>(w, r, x, y),
             IsaKind::Avx512 => x86::rows_512::<4, 4>(w, r, x, y),
             _ => x86::rows::<2, 4>(w, r, x, y),
         }
@@ -45,4 +46,9 @@ pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) mod vnni;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod x86;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests;

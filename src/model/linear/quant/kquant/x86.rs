@@ -193,45 +193,21 @@ pub(in crate::model::linear::quant) fn chunk_scales(all: __m256i) -> [__m256i; Q
         _mm256_broadcastsi128_si256(_mm256_castsi256_si128(all)),
         _mm256_broadcastsi128_si256(_mm256_extracti128_si256::<1>(all)),
     );
-    std::array::from_fn(|c| {
-        // Bytes 4c', 4c' + 1 (scale 2c') in the low lane, 4c' + 2, 4c' + 3 in the high one.
+    // A loop, not `from_fn`: a closure is compiled without this function's target features.
+    let mut out = [_mm256_setzero_si256(); QK_K / BLOCK];
+    for (c, out) in out.iter_mut().enumerate() {
+        // Bytes 4c', 4c' + 1 (scale 2c', c' = c mod 4) in the low lane, 4c' + 2 and 4c' + 3
+        // in the high one.
         let at = 4 * (c % 4) as i8;
+        let (a, b) = (at, at + 1);
+        let (e, f) = (at + 2, at + 3);
         let pick = _mm256_setr_epi8(
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at,
-            at + 1,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
-            at + 2,
-            at + 3,
+            a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, e, f, e, f, e, f, e, f, e, f, e, f, e,
+            f, e, f,
         );
-        _mm256_shuffle_epi8(if c < 4 { lo } else { hi }, pick)
-    })
+        *out = _mm256_shuffle_epi8(if c < 4 { lo } else { hi }, pick);
+    }
+    out
 }
 
 /// [`dot`] for one format. x has one scale per superblock ([`QRows::quantize_for`]), so a
@@ -292,8 +268,8 @@ unsafe fn dot_in<const F: u8, const R: usize>(
 
 /// [`dot`] for the 5-bit formats, whose blocks are a single chunk with one scale: the
 /// per-block work of [`dot_in`] (decoding a superblock's scales) would cost as much as the
-/// chunk itself. Q5_0's quants go signed (q − 16) through `maddubs` by the sign trick, as
-/// Q4_0's; Q5_1's minimum multiplies the x block's sum.
+/// chunk itself. The quants go through `maddubs` unsigned (0..=31), and the block's offset
+/// multiplies the x block's sum once: Q5_1's minimum, Q5_0's −16·d (w = d·(q − 16)).
 ///
 /// # Safety
 /// As [`dot`].
@@ -308,7 +284,7 @@ unsafe fn dot_5<const F: u8, const R: usize>(
     let blocks = w.cols / BLOCK;
     // Two accumulators per x row, for even and odd blocks, so that consecutive blocks' FMAs
     // do not wait on each other (one block is a dozen instructions, the FMA's latency 4
-    // cycles); Q5_0 has no minimum to sum.
+    // cycles).
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let mut mins = [0f32; R];
     let row = &w.quants[r * blocks * bytes..(r + 1) * blocks * bytes];
@@ -319,37 +295,25 @@ unsafe fn dot_5<const F: u8, const R: usize>(
             // SAFETY: blk is a whole block of this format.
             let q = unsafe { quants::<F>(blk.as_ptr(), 0) };
             let d = widen(f16::from_le_bytes([blk[0], blk[1]]));
-            let (u, signed) = match F {
-                Q5_0 => {
-                    let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                    (_mm256_sign_epi8(q, q), Some(q))
-                }
-                _ => (q, None),
-            };
             let m = match F {
                 Q5_1 => widen(f16::from_le_bytes([blk[2], blk[3]])),
-                _ => 0.0,
+                _ => -16.0 * d,
             };
             for k in 0..R {
                 let xb = (i0 + k) * blocks + b;
-                // SAFETY: block xb of x exists (the caller's rows, of w's width).
-                let (xv, dx) = unsafe {
+                // SAFETY: block xb of x exists (the caller's rows, of w's width), with its
+                // scale and sum.
+                let (xv, dx, sum) = unsafe {
                     (
                         _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i),
                         *x.scales.get_unchecked(xb),
+                        *x.sums.get_unchecked(xb),
                     )
                 };
-                let xv = match signed {
-                    Some(q) => _mm256_sign_epi8(xv, q),
-                    None => xv,
-                };
-                let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+                let dots = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1));
                 let scale = _mm256_set1_ps(d * dx);
                 acc[k][$h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[k][$h]);
-                if F == Q5_1 {
-                    // SAFETY: as above.
-                    mins[k] += m * unsafe { *x.sums.get_unchecked(xb) };
-                }
+                mins[k] += m * sum;
             }
         }};
     }

@@ -21,23 +21,23 @@ use super::super::simd::x86::hsum;
 use super::super::{Format, QRows, QWeight, BLOCK};
 use std::arch::x86_64::*;
 
-const Q8_0: u8 = 7;
-const Q4_0: u8 = 8;
-const Q4_1: u8 = 9;
+pub(super) const Q8_0: u8 = 7;
+pub(super) const Q4_0: u8 = 8;
+pub(super) const Q4_1: u8 = 9;
 
 /// Chunks in a group at most: a K-quant superblock.
-const G: usize = QK_K / BLOCK;
+pub(super) const G: usize = QK_K / BLOCK;
 
 /// One weight row's group, decoded.
 #[derive(Clone, Copy)]
-struct Group {
-    quants: [__m256i; G],
+pub(super) struct Group {
+    pub(super) quants: [__m256i; G],
     /// Per chunk: the two halves' scales, each in 8 16-bit lanes.
-    scales: [__m256i; G],
+    pub(super) scales: [__m256i; G],
     /// Per chunk: `d`, in every lane.
-    d: [__m256; G],
+    pub(super) d: [__m256; G],
     /// Per half: `dmin · m` (0 for Q8_0, and past the group's 2g halves).
-    mins: [f32; 2 * G],
+    pub(super) mins: [f32; 2 * G],
 }
 
 /// Chunks per group for `w`: a superblock, or the most blocks (up to 8) that divide a row.
@@ -59,7 +59,13 @@ pub fn group_chunks(w: &QWeight) -> usize {
 /// blocks match its shape.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn decode<const F: u8>(w: &QWeight, r: usize, gi: usize, g: usize, out: &mut Group) {
+pub(super) unsafe fn decode<const F: u8>(
+    w: &QWeight,
+    r: usize,
+    gi: usize,
+    g: usize,
+    out: &mut Group,
+) {
     let chunks = w.cols / BLOCK;
     if matches!(F, Q2K | Q3K | Q4K | Q5K | Q6K) {
         let bytes = w.format.ggml_bytes();
@@ -192,6 +198,83 @@ pub unsafe fn rows_512<const RW: usize, const RX: usize>(
     }
 }
 
+/// Masks of the first `2g` of a group's 16 half sums, in two vectors of 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn half_masks(g: usize) -> [__m256i; 2] {
+    let lane = |h: usize| if h < 2 * g { -1 } else { 0 };
+    // SAFETY: 8 i32 each.
+    unsafe {
+        [
+            _mm256_loadu_si256(std::array::from_fn::<i32, 8, _>(lane).as_ptr() as *const __m256i),
+            _mm256_loadu_si256(
+                std::array::from_fn::<i32, 8, _>(|h| lane(8 + h)).as_ptr() as *const __m256i
+            ),
+        ]
+    }
+}
+
+/// Adds one x row's share of a group, the tile's weight rows `acc` (f32 sums, already times
+/// `d·dx`) or `dots` (a K-quant's integer sums), to its `totals`, with the minimums: `at`
+/// is the group's first block of x.
+///
+/// # Safety
+/// AVX2, FMA and F16C; the group's `g` blocks of x from `at` exist; `masks` are
+/// [`half_masks`] of `g`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn close<const F: u8, const RW: usize>(
+    totals: &mut [__m256],
+    tile: &[Group; RW],
+    x: &QRows,
+    at: usize,
+    g: usize,
+    masks: &[__m256i; 2],
+    acc: [__m256; RW],
+    dots: [__m256i; RW],
+) {
+    let uniform = matches!(F, Q2K | Q3K | Q4K | Q5K | Q6K);
+    // The x row's half sums of this group, read where they lie (the lanes past its 2g halves
+    // masked off: they are 0, as the minimums there are).
+    // SAFETY: 2g halves from block `at` exist; masked lanes are not read. The second eight
+    // are only addressed when the group has them (past the end of sums16 the pointer itself
+    // would be out of bounds).
+    let (s0, s1, dx) = unsafe {
+        let p = x.sums16.as_ptr().add(2 * at);
+        let s1 = match 2 * g > 8 {
+            true => _mm256_maskload_ps(p.add(8), masks[1]),
+            false => _mm256_setzero_ps(),
+        };
+        (
+            _mm256_maskload_ps(p, masks[0]),
+            s1,
+            _mm256_broadcast_ss(x.scales.get_unchecked(at)),
+        )
+    };
+    for k in 0..RW {
+        let t = &mut totals[k];
+        let mut v = match uniform {
+            // One scale for the superblock, x's too: d·dx once.
+            true => _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dots[k]),
+                _mm256_mul_ps(dx, tile[k].d[0]),
+                *t,
+            ),
+            false => _mm256_add_ps(acc[k], *t),
+        };
+        if F != Q8_0 {
+            let mins = tile[k].mins.as_ptr();
+            // SAFETY: 16 floats.
+            unsafe {
+                v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins), s0, v);
+                v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins.add(8)), s1, v);
+            }
+        }
+        *t = v;
+    }
+}
+
 /// [`rows`] for one format and tile shape.
 ///
 /// # Safety
@@ -219,30 +302,7 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
         mins: [0.0; 2 * G],
     };
     let mut tile = [zero; RW];
-    // Which of a group's 16 half sums exist: the first 2g.
-    let lane = |h: i32| if (h as usize) < 2 * g { -1 } else { 0 };
-    let masks = [
-        _mm256_setr_epi32(
-            lane(0),
-            lane(1),
-            lane(2),
-            lane(3),
-            lane(4),
-            lane(5),
-            lane(6),
-            lane(7),
-        ),
-        _mm256_setr_epi32(
-            lane(8),
-            lane(9),
-            lane(10),
-            lane(11),
-            lane(12),
-            lane(13),
-            lane(14),
-            lane(15),
-        ),
-    ];
+    let masks = half_masks(g);
     for rt in (r0..r1).step_by(RW) {
         totals.fill(_mm256_setzero_ps());
         for gi in 0..groups {
@@ -275,7 +335,7 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                             let d =
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), tile[k].scales[c]);
                             if uniform {
-                                // One scale for the superblock, of x's too: summed in integers.
+                                // One scale for the superblock, x's too: summed in integers.
                                 dots[k][j] = _mm256_add_epi32(dots[k][j], d);
                             } else {
                                 let scale = _mm256_mul_ps(dx, tile[k].d[c]);
@@ -287,41 +347,15 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                 }
                 for j in 0..RX.min(m - i0) {
                     let i = i0 + j;
-                    // The x row's half sums of this group, read where they lie (the lanes past
-                    // its 2g halves masked off: they are 0, as the minimums there are).
-                    // SAFETY: 2g halves of group gi of row i exist; masked lanes are not read.
-                    // The second eight are only addressed when the group has them (past the
-                    // end of sums16 the pointer itself would be out of bounds).
-                    let (s0, s1) = unsafe {
-                        let at = x.sums16.as_ptr().add(2 * (i * xblocks + gi * g));
-                        let s1 = match 2 * g > 8 {
-                            true => _mm256_maskload_ps(at.add(8), masks[1]),
-                            false => _mm256_setzero_ps(),
-                        };
-                        (_mm256_maskload_ps(at, masks[0]), s1)
-                    };
+                    let t = &mut totals[i * RW..(i + 1) * RW];
+                    // Loops, not `map`: a closure is compiled without this function's target
+                    // features, and its vectors would go through memory.
+                    let (mut a, mut d) = ([_mm256_setzero_ps(); RW], [_mm256_setzero_si256(); RW]);
                     for k in 0..RW {
-                        let t = &mut totals[i * RW + k];
-                        let mut v = match uniform {
-                            true => {
-                                // SAFETY: the group's first block of x row i exists.
-                                let dx = unsafe {
-                                    _mm256_broadcast_ss(
-                                        x.scales.get_unchecked(i * xblocks + gi * g),
-                                    )
-                                };
-                                let scale = _mm256_mul_ps(dx, tile[k].d[0]);
-                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[k][j]), scale, *t)
-                            }
-                            false => _mm256_add_ps(acc[k][j], *t),
-                        };
-                        if F != Q8_0 {
-                            let mins = tile[k].mins.as_ptr();
-                            v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins), s0, v);
-                            v = _mm256_fnmadd_ps(_mm256_loadu_ps(mins.add(8)), s1, v);
-                        }
-                        *t = v;
+                        (a[k], d[k]) = (acc[k][j], dots[k][j]);
                     }
+                    // SAFETY: group gi of row i < m exists.
+                    unsafe { close::<F, RW>(t, &tile, x, i * xblocks + gi * g, g, &masks, a, d) };
                 }
             }
         }
