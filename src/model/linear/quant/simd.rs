@@ -31,7 +31,13 @@ pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::model::linear::simd::{Isa, IsaKind};
-        if matches!(Isa::current().kind(), IsaKind::Avx2 | IsaKind::Avx512) {
+        let isa = Isa::current().kind();
+        if isa == IsaKind::Avx512 && w.format == Format::Q8_0 && vnni::available() {
+            // SAFETY: Isa::current() says this CPU has AVX-512F, BW and VL, and it has VNNI;
+            // w is Q8_0; the rest is the caller's.
+            return unsafe { vnni::dot_q8_0(w, r, x, i) };
+        }
+        if matches!(isa, IsaKind::Avx2 | IsaKind::Avx512) {
             // SAFETY: Isa::current() says this CPU has AVX2, FMA and F16C.
             return unsafe { x86::dot(w, r, x, i) };
         }
@@ -121,6 +127,8 @@ fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 
 #[cfg(target_arch = "aarch64")]
 mod arm;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {

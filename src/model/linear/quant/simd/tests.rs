@@ -5,11 +5,16 @@ use super::*;
 /// The vector forms (where the CPU has them) equal the scalar loop, block by block.
 #[test]
 fn vector_forms_equal_the_scalar_loop() {
-    let (rows, cols, m) = (5, 128, 6);
-    let wave = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * s).sin()).collect() };
-    let (w, x) = (wave(rows * cols, 0.37), wave(m * cols, 0.91));
-    let xq = QRows::quantize(&x, cols);
-    for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+    // 4 blocks a row, and 5: the AVX-512 VNNI Q8_0 kernel takes blocks in pairs.
+    for (format, cols) in [Format::Q8_0, Format::Q4_0, Format::Q4_1]
+        .into_iter()
+        .flat_map(|f| [(f, 128), (f, 160)])
+    {
+        let (rows, m) = (5, 6);
+        let wave =
+            |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * s).sin()).collect() };
+        let (w, x) = (wave(rows * cols, 0.37), wave(m * cols, 0.91));
+        let xq = QRows::quantize(&x, cols);
         let q = QWeight::quantize(format, &w, cols).unwrap();
         for r in 0..rows {
             // SAFETY: r < rows and 1 + 4 <= m rows of xq, made for this weight.
