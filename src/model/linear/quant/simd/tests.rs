@@ -30,6 +30,16 @@ fn vector_forms_equal_the_scalar_loop() {
                 if (1..5).contains(&i) {
                     assert!((four[i - 1] - want).abs() <= 1e-4 * want.abs().max(1.0));
                 }
+                // AVX2's row kernel too, where `dot` took the AVX-512 VNNI one.
+                #[cfg(target_arch = "x86_64")]
+                if crate::model::linear::simd::Isa::current().has_avx2() {
+                    // SAFETY: this CPU has AVX2, FMA and F16C; as above.
+                    let avx2 = unsafe { x86::dot(&q, r, &xq, i) };
+                    assert!(
+                        (avx2 - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{format:?}"
+                    );
+                }
             }
         }
     }
