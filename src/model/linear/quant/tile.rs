@@ -46,6 +46,8 @@ pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod group;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod vnni;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86;

@@ -1,15 +1,15 @@
-//! [`super`]'s tile kernel on AVX-512 CPUs with VNNI: [`super::x86`]'s groups, two chunks
+//! [`super`]'s tile kernel on AVX-512 CPUs with VNNI: [`super::group`]'s groups, two chunks
 //! to a 64-byte register, and the integer products fused. A 32-weight format's chunk is one
 //! `vpdpbusd` (unsigned quants times x's signed bytes, summed by four into 32-bit lanes),
 //! then a conversion and an FMA by `d·dx`; Q8_0's signed quants take x's bytes plus 128 as
 //! the unsigned side, and start from `−128·Σq` per lane, computed once per weight chunk.
 //! A K-quant's chunk is `maddubs`, then `vpdpwssd` (its halves' scales, multiplied and
 //! added into the superblock's integer sums). The group's close, minimums included, is
-//! [`super::x86`]'s, on the two halves of each register added together.
+//! [`super::group`]'s, on the two halves of each register added together.
 
 use super::super::kquant::x86::{Q2K, Q3K, Q4K, Q5K, Q5_0, Q5_1, Q6K};
 use super::super::{Format, QRows, QWeight, BLOCK};
-use super::x86::{close, decode, group_chunks, half_masks, Group, G, Q4_0, Q4_1, Q8_0};
+use super::group::{close, decode, group_chunks, half_masks, store, Group, G, Q4_0, Q4_1, Q8_0};
 use std::arch::x86_64::*;
 
 /// Whether this CPU has the VNNI kernel (checked once by the standard library's cache).
@@ -85,13 +85,7 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
     let (groups, xblocks) = (w.cols / BLOCK / g, w.cols / BLOCK);
     let uniform = matches!(F, Q2K | Q3K | Q4K | Q5K | Q6K);
     let mut totals = vec![_mm256_setzero_ps(); m * RW];
-    let zero = Group {
-        quants: [_mm256_setzero_si256(); G],
-        scales: [_mm256_setzero_si256(); G],
-        d: [_mm256_setzero_ps(); G],
-        mins: [0.0; 2 * G],
-    };
-    let mut tile = [zero; RW];
+    let mut tile = [Group::zero(); RW];
     // Per weight row and pair of chunks: the quants; a K-quant's scales (16-bit lanes) or
     // Q8_0's −128·Σq (32-bit lanes); `d` of each chunk.
     let mut quants = [[_mm512_setzero_si512(); G / 2]; RW];
@@ -148,14 +142,8 @@ unsafe fn rows_in<const F: u8, const RW: usize, const RX: usize>(
                 }
             }
         }
-        for i in 0..m {
-            for k in 0..RW.min(r1 - rt) {
-                // SAFETY: row i < M, column rt + k < r1: ours to write (the caller's).
-                unsafe {
-                    *y.add(i * w.rows + rt + k) = super::super::simd::x86::hsum(totals[i * RW + k])
-                };
-            }
-        }
+        // SAFETY: the caller's.
+        unsafe { store::<RW>(&totals, (rt, r1), w.rows, y) };
     }
 }
 
