@@ -14,10 +14,12 @@ use candle_core::{DType, Device, Tensor};
 pub enum LayerCache {
     /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
     Kv { k: Tensor, v: Tensor },
-    /// MLA: the normalised latent `c_kv` (width kv_lora_rank) and the rotated shared key
-    /// `k_pe` (width qk_rope_head_dim), as one "head" each. Low-rank K/V (`kv_latent_rank`):
-    /// the latent, and a `k_pe` of width 0.
-    Latent { c_kv: Tensor, k_pe: Tensor },
+    /// MLA: per position one row `[c_kv | k_pe]`, the normalised latent (width `rank`,
+    /// kv_lora_rank) and then the rotated shared key (width qk_rope_head_dim), as one "head"
+    /// (1, 1, capacity, rank + rope). One row, not two tensors, so that the absorbed decode
+    /// reads it as the keys of one K/V head and its first `rank` values as the values (see
+    /// [`LayerCache::write_latent`]). Low-rank K/V (`kv_latent_rank`): the latent, no `k_pe`.
+    Latent { rows: Tensor, rank: usize },
 }
 
 impl LayerCache {
@@ -29,16 +31,46 @@ impl LayerCache {
         b: &Tensor,
         pos: usize,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let (dst_a, dst_b) = match self {
+        let (k, v) = match self {
             LayerCache::Kv { k, v } => (k, v),
-            LayerCache::Latent { c_kv, k_pe } => (c_kv, k_pe),
+            LayerCache::Latent { rank, .. } => {
+                let rows = self.write_latent(a, b, pos)?;
+                let width = rows.dim(3)?;
+                return Ok((
+                    rows.narrow(3, 0, *rank)?,
+                    rows.narrow(3, *rank, width - rank)?,
+                ));
+            }
         };
         let len = pos + a.dim(2)?;
-        dst_a.slice_set(&a.to_dtype(dst_a.dtype())?.contiguous()?, 2, pos)?;
-        if b.elem_count() > 0 {
-            dst_b.slice_set(&b.to_dtype(dst_b.dtype())?.contiguous()?, 2, pos)?;
-        }
-        Ok((dst_a.narrow(2, 0, len)?, dst_b.narrow(2, 0, len)?))
+        k.slice_set(&a.to_dtype(k.dtype())?.contiguous()?, 2, pos)?;
+        v.slice_set(&b.to_dtype(v.dtype())?.contiguous()?, 2, pos)?;
+        Ok((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))
+    }
+
+    /// The latent cache's [`LayerCache::write`]: writes `c_kv` (1, 1, T, rank) and `k_pe`
+    /// (1, 1, T, rope) as rows `[c_kv | k_pe]` at `pos` and returns the rows of positions
+    /// `0..pos + T`, (1, 1, S, rank + rope), a view.
+    pub fn write_latent(
+        &self,
+        c_kv: &Tensor,
+        k_pe: &Tensor,
+        pos: usize,
+    ) -> candle_core::Result<Tensor> {
+        let LayerCache::Latent { rows, .. } = self else {
+            return Err(candle_core::Error::Msg(
+                "write_latent on a K/V cache".into(),
+            ));
+        };
+        let new = match k_pe.elem_count() {
+            0 => c_kv.to_dtype(rows.dtype())?,
+            _ => Tensor::cat(
+                &[c_kv.to_dtype(rows.dtype())?, k_pe.to_dtype(rows.dtype())?],
+                3,
+            )?,
+        };
+        rows.slice_set(&new.contiguous()?, 2, pos)?;
+        rows.narrow(2, 0, pos + c_kv.dim(2)?)
     }
 }
 
@@ -96,11 +128,17 @@ impl KvCache {
         let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| {
-                let a = Tensor::zeros((1, ha, capacity, wa), dtype, dev)?;
-                let b = Tensor::zeros((1, hb, capacity, wb), dtype, dev)?;
+                let zeros = |heads, width| Tensor::zeros((1, heads, capacity, width), dtype, dev);
                 Ok(match layout.kv {
-                    true => LayerCache::Kv { k: a, v: b },
-                    false => LayerCache::Latent { c_kv: a, k_pe: b },
+                    true => LayerCache::Kv {
+                        k: zeros(ha, wa)?,
+                        v: zeros(hb, wb)?,
+                    },
+                    // One "head" each (`cache_layout`): rows of both widths side by side.
+                    false => LayerCache::Latent {
+                        rows: zeros(1, wa + wb)?,
+                        rank: wa,
+                    },
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;

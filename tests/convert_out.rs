@@ -92,9 +92,15 @@ fn assert_round_trip(model: &str, spec: &str, kv_heads: usize, prompt: &str, tex
 
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config["num_key_value_heads"], kv_heads);
+    if !spec.starts_with("mla:") {
+        assert_eq!(config["num_key_value_heads"], kv_heads);
+    }
     assert!(config["rope_theta"].as_f64().unwrap() > 0.0);
-    assert_eq!(config["model_type"], "llama");
+    let deepseek = spec.starts_with("mla:") && !spec.contains("layout=ours") && kv_heads == 1;
+    if !deepseek {
+        let original = loader::open(model).unwrap().stored().unwrap();
+        assert_eq!(config["model_type"], original.config["model_type"]);
+    }
     if let Some(rank) = spec.strip_prefix("lowrank:") {
         // Our layout: the latent's rank in config.json, kv_down/k_up/v_up for k/v_proj.
         let rank: u64 = rank.split(',').next().unwrap().parse().unwrap();
@@ -109,14 +115,28 @@ fn assert_round_trip(model: &str, spec: &str, kv_heads: usize, prompt: &str, tex
         assert_eq!(has("v_up.weight"), has("q_proj.weight"), "{model} {spec}");
         assert_eq!(has("k_proj.weight") + has("v_proj.weight"), 0);
     } else if let Some(rank) = spec.strip_prefix("mla:") {
-        // DeepSeek's fields and tensors in a Llama config, and two of ours.
         let rank: u64 = rank.split(',').next().unwrap().parse().unwrap();
-        assert_eq!(config["kv_lora_rank"], rank);
-        assert_eq!(config["kv_latent_norm"], false);
         let names = header_names(&out);
         let has = |tail: &str| names.iter().filter(|(n, _)| n.ends_with(tail)).count();
-        assert_eq!(has("kv_a_proj_with_mqa.weight"), has("o_proj.weight"));
-        assert_eq!(has("kv_b_proj.weight"), has("o_proj.weight"));
+        let layers = has("o_proj.weight");
+        if deepseek {
+            // DeepSeek-V3's class and tensors: the anchor channel beside the latent.
+            assert_eq!(config["model_type"], "deepseek_v3");
+            assert_eq!(config["architectures"][0], "DeepseekV3ForCausalLM");
+            assert_eq!(config["kv_lora_rank"], rank);
+            assert_eq!(config["first_k_dense_replace"], config["num_hidden_layers"]);
+            assert_eq!(config["attention_bias"], true);
+            assert!(config.get("kv_latent_norm").is_none() && config.get("rope_groups").is_none());
+            assert_eq!(has("kv_a_layernorm.weight"), layers);
+            assert_eq!(has("kv_a_proj_with_mqa.bias"), layers);
+            assert_eq!(has("o_proj.bias"), layers);
+        } else {
+            // DeepSeek's fields and tensors in the original's config, and two of ours.
+            assert_eq!(config["kv_lora_rank"], rank);
+            assert_eq!(config["kv_latent_norm"], false);
+        }
+        assert_eq!(has("kv_a_proj_with_mqa.weight"), layers);
+        assert_eq!(has("kv_b_proj.weight"), layers);
         assert_eq!(has("k_proj.weight") + has("v_proj.weight"), 0);
     } else if let loader::Source::Files(files) = &source {
         let original = Path::new(&files.source);
@@ -137,8 +157,61 @@ fn converted_bundled_model_reloads_with_the_same_results() {
     assert_round_trip("tiny-gqa", "mha", 4, "ROMEO:", &text);
     assert_round_trip("tiny-gqa", "mqa,method=mean", 1, "ROMEO:", &text);
     assert_round_trip("tiny-gqa", "lowrank:64,method=svd", 2, "ROMEO:", &text);
-    // Two RoPE heads of 32 dims: 2 as "num_key_value_heads" of the report.
+    // Two RoPE heads of 32 dims: 2 as "num_key_value_heads" of the report; our layout.
     assert_round_trip("tiny-gqa", "mla:64,rope=64,method=svd", 2, "ROMEO:", &text);
+    // One RoPE head: DeepSeek's layout, lossy and at full rank.
+    assert_round_trip("tiny-gqa", "mla:64,rope=32,method=svd", 1, "ROMEO:", &text);
+    assert_round_trip("tiny-gqa", "mla:128,rope=32", 1, "ROMEO:", &text);
+}
+
+/// Qwen2 (q/k/v biases) to MLA: DeepSeek's layout holds the biases (the query's through
+/// q-LoRA), and at full rank the conversion is the original model.
+#[test]
+fn qwen2_converts_to_deepseek_mla() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen2-bias");
+    let dir = dir.to_str().unwrap();
+    let ids: Vec<u32> = (1..40).map(|i| (i * 37 % 390) as u32).collect();
+    let original = loader::open(dir)
+        .unwrap()
+        .load(DTypeArg::Auto, &Device::Cpu)
+        .unwrap();
+    let want = eval::evaluate(&original.model, &ids).unwrap().mean();
+    let out = scratch("qwen2-mla");
+    let report = convert_cli(dir, "mla:65,rope=16", &out);
+    assert_eq!(report["num_key_value_heads"], 1);
+    let got = loader::open(out.to_str().unwrap())
+        .unwrap()
+        .load(DTypeArg::Auto, &Device::Cpu)
+        .unwrap();
+    let nll = eval::evaluate(&got.model, &ids).unwrap().mean();
+    assert!(
+        (nll - want).abs() < 1e-4,
+        "qwen2 -> mla:65,rope=16 NLL {nll} vs {want}"
+    );
+    assert_eq!(
+        greedy(&got, &ids[..8], 16),
+        greedy(&original, &ids[..8], 16)
+    );
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let config: Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["q_lora_rank"], 65);
+    // Our layout has no biases: refused with the way out.
+    let args = [
+        "convert",
+        "-m",
+        dir,
+        "--attention",
+        "mla:64,rope=16,layout=ours",
+    ];
+    fails(
+        &[
+            &args[..],
+            &["--out", scratch("qwen2-ours").to_str().unwrap()],
+        ]
+        .concat(),
+        &[],
+        "layout=deepseek",
+    );
 }
 
 #[test]
@@ -268,6 +341,35 @@ fn convert_round_trips_through_transformers() {
         let report = check_hf(&python, &out, &model, &text);
         let diff = report["abs_diff"].as_f64().unwrap();
         assert!(diff <= 2e-4, "{name}: {report}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// MLA in DeepSeek's layout loads in transformers' `DeepseekV3ForCausalLM` as written and
+/// scores the mean NLL we do: SmolLM2 (Llama), stories260K, and the Qwen2 fixture (biases).
+#[test]
+fn deepseek_mla_round_trips_through_transformers() {
+    let Some(python) = python() else { return };
+    let text = scratch("story-mla.txt");
+    std::fs::write(&text, STORY).unwrap();
+    let qwen2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen2-bias");
+    let mut cases = vec![(qwen2.to_str().unwrap().to_string(), "mla:48,rope=16")];
+    if let Some(dir) = stories260k() {
+        cases.push((dir, "mla:32,rope=8,method=svd"));
+    }
+    if let Some(dir) = checkpoint("smollm2-135m-instruct") {
+        cases.push((
+            dir.to_str().unwrap().to_string(),
+            "mla:64,rope=64,method=svd",
+        ));
+    }
+    for (model, spec) in cases {
+        let name = model.rsplit('/').next().unwrap().to_string();
+        let out = scratch(&format!("hf-{name}-mla"));
+        convert_cli(&model, spec, &out);
+        let report = check_hf(&python, &out, &model, &text);
+        let diff = report["abs_diff"].as_f64().unwrap();
+        assert!(diff <= 2e-4, "{name} {spec}: {report}");
         let _ = std::fs::remove_dir_all(&out);
     }
 }

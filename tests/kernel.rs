@@ -152,7 +152,7 @@ fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
 #[test]
 fn row_kernels_match_f64_reference() {
     // One row (decode), a few (tile tails), and more than a 64-row block (prefill).
-    for (rows, (n, k)) in [1, 3, 6, 70]
+    for (rows, (n, k)) in [1, 3, 5, 6, 9, 70]
         .into_iter()
         .flat_map(|m| SHAPES.map(|s| (m, s)))
     {
@@ -500,6 +500,46 @@ fn probe_block_decode() -> candle_core::Result<()> {
             bytes as f64 / best / 1e9,
             bytes / 1_000_000
         );
+    }
+    Ok(())
+}
+
+/// The decode attention op alone, at SmolLM2-135M's shapes over a bf16 cache: MLA's absorbed
+/// form (nine heads over one latent row of 128, values its first 64) against the original's
+/// GQA (nine heads, three K/V heads of 64) and MQA; best of 30 × 10 calls per layer, and the
+/// multiply-adds per second that implies.
+/// `cargo test --release --test kernel probe_decode_attention -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn probe_decode_attention() -> candle_core::Result<()> {
+    use tiny_decoder::model::attention::sdpa;
+    let dev = Device::Cpu;
+    let time = |name: &str, q: &Tensor, k: &Tensor, v: &Tensor, macs: usize| {
+        let mut best = f64::MAX;
+        for _ in 0..30 {
+            let t = std::time::Instant::now();
+            for _ in 0..10 {
+                sdpa(q, k, v, 0.1, None)?;
+            }
+            best = best.min(t.elapsed().as_secs_f64() / 10.0);
+        }
+        let gmacs = macs as f64 / best / 1e9;
+        println!("{name}: {:.1} us per layer, {gmacs:.1} GMAC/s", best * 1e6);
+        candle_core::Result::Ok(())
+    };
+    let bf16 = |shape: (usize, usize, usize, usize)| {
+        Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)
+    };
+    for s in [2000, 6000] {
+        let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 128), &dev)?;
+        let rows = bf16((1, 1, s, 128))?;
+        let v = rows.narrow(3, 0, 64)?;
+        time(&format!("mla:64,rope=64 at {s}"), &q, &rows, &v, s * 9 * (128 + 64))?;
+        let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 64), &dev)?;
+        let (k, v) = (bf16((1, 3, s, 64))?, bf16((1, 3, s, 64))?);
+        time(&format!("gqa 9/3 at {s}"), &q, &k, &v, s * 9 * 128)?;
+        let (k, v) = (bf16((1, 1, s, 64))?, bf16((1, 1, s, 64))?);
+        time(&format!("mqa at {s}"), &q, &k, &v, s * 9 * 128)?;
     }
     Ok(())
 }

@@ -255,6 +255,31 @@ fn decode_attention_over_cache_views_equals_reference() {
     }
 }
 
+/// MLA's absorbed decode through the op: one latent "head" whose cached rows are the keys
+/// and whose first columns are the values (rows further apart than the values are wide),
+/// against the per-head reference; head counts that tile as 3 + 3 + 3, 4 + 1 and 3 + 3, and
+/// value widths that leave a tail past the register tiles.
+#[test]
+fn decode_attention_reads_values_as_a_view_of_the_keys() {
+    let dev = Device::Cpu;
+    for (h, s, dk, dv) in [(9, 600, 128, 64), (5, 300, 72, 40), (6, 257, 144, 129)] {
+        let q = Tensor::randn(0f32, 1.0, (1, h, 1, dk), &dev).unwrap();
+        let rows = Tensor::randn(0f32, 1.0, (1, 1, s + 7, dk), &dev).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
+            let rows = rows.to_dtype(dtype).unwrap().narrow(2, 0, s).unwrap();
+            let v = rows.narrow(3, 0, dv).unwrap();
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap().contiguous().unwrap();
+            let want = naive_attention(&q, &f32(&rows), &f32(&v), 0.1, None).unwrap();
+            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let ours = sdpa(&q, &rows, &v, 0.1, None).unwrap();
+            assert_eq!(ours.dims(), &[1, h, 1, dv]);
+            let ours = ours.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let diff = common::max_abs_diff(&ours.to_vec1::<f32>().unwrap(), &want);
+            assert!(diff < tol, "{dtype:?} h={h} s={s} dk={dk} dv={dv}: {diff}");
+        }
+    }
+}
+
 fn config_error(edit: impl Fn(&mut serde_json::Value)) -> String {
     let path = common::fixture_dir("llama-mha-tied").join("config.json");
     let mut v: serde_json::Value =

@@ -92,6 +92,9 @@ fn attention_fields(cfg: &ModelConfig) -> serde_json::Value {
     }
 }
 
+/// 1 GB, the KV budget `info` sizes capacity by.
+const GB: usize = 1_000_000_000;
+
 pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
     let (dtype, device) = placement(&m.placement)?;
     // Without --attention, from the config and headers alone; with it, the conversion runs
@@ -118,6 +121,9 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         "checkpoint_dtype": d.checkpoint_dtype.map(dtype_name),
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
         "mha_kv_bytes_per_token": cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * size,
+        // What a user gains from a smaller cache: context, or sequences, in 1 GB of it.
+        "kv_tokens_per_gb": cfg.kv_capacity(size, GB, 1).0,
+        "kv_sequences_4k_per_gb": cfg.kv_capacity(size, GB, 4096).1,
     });
     if let Some(r) = &report {
         info["attention_spec"] = json!(r.plan.spec.to_string());

@@ -47,6 +47,18 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         Some(c) => c,
         None => max_context.min(DEFAULT_CONTEXT),
     };
+    // What the KV cache of every sequence costs, and what that memory would hold.
+    let cfg = loaded.model.config();
+    let size = loaded.model.dtype().size_in_bytes();
+    let budget = a.max_batch * context * cfg.kv_bytes_per_token(size);
+    let (tokens, seqs) = cfg.kv_capacity(size, 1_000_000_000, 4096);
+    eprintln!(
+        "KV cache: {} bytes per token ({}), {budget} bytes for {} x {context} positions; \
+         1 GB holds {tokens} tokens, {seqs} sequences of 4k",
+        cfg.kv_bytes_per_token(size),
+        cfg.attention_kind(),
+        a.max_batch,
+    );
     let template = chat_template(&loaded)?;
     let tokenizer = loaded
         .tokenizer

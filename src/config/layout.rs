@@ -97,6 +97,13 @@ impl ModelConfig {
         self.num_hidden_layers * self.kv_values_per_token_per_layer() * dtype_size
     }
 
+    /// What `budget` bytes of KV cache hold at the given element size: tokens of context,
+    /// and whole sequences of `seq_len` tokens.
+    pub fn kv_capacity(&self, dtype_size: usize, budget: usize, seq_len: usize) -> (usize, usize) {
+        let tokens = budget / self.kv_bytes_per_token(dtype_size).max(1);
+        (tokens, tokens / seq_len.max(1))
+    }
+
     /// Parameters a checkpoint of this config holds (embeddings, attention, MLPs and LM
     /// head; norms are too small to count): the size random weights would take, estimated
     /// before allocating them. Computed in u128 and saturated, so no size can overflow it.

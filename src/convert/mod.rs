@@ -9,6 +9,7 @@
 //! same rewritten tensors out as a Hugging Face directory ([`write`](fn@write)).
 
 pub mod calibrate;
+pub mod deepseek;
 pub mod gqa;
 pub mod heal;
 pub mod linalg;
@@ -20,7 +21,7 @@ mod tensors;
 mod write;
 
 pub use plan::{Latent, Plan};
-pub use spec::{Layout, Method, Spec};
+pub use spec::{Layout, Method, MlaLayout, Spec};
 pub use write::{write, Written};
 
 use crate::config::{AttentionConfig, ModelConfig};
@@ -143,6 +144,16 @@ impl Conversion {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// The names of the converted tensors that start with `prefix`, sorted.
+    pub fn replaced_names(&self, prefix: &str) -> Vec<String> {
+        let mut names: Vec<String> = (self.replaced.keys())
+            .filter(|n| n.starts_with(prefix))
+            .cloned()
+            .collect();
+        names.sort();
+        names
     }
 
     /// The converted config, and `backend` with every layer's attention projections

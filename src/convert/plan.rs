@@ -1,7 +1,7 @@
 //! The [`Plan`] a [`Spec`] becomes for one checkpoint: the K/V heads, latent and method to
 //! build, or a one-line error that says what would work when it cannot apply.
 
-use super::spec::{bad, Layout, Method, Spec};
+use super::spec::{bad, Layout, Method, MlaLayout, Spec};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::error::Result;
 
@@ -27,9 +27,33 @@ pub struct Latent {
     /// MLA's RoPE key width W: `to_kv_heads` = W / head_dim heads of it, merged from the
     /// original K/V heads as `gqa:W/D` merges them. `None` for `lowrank`.
     pub rope: Option<usize>,
+    /// MLA's layout, resolved (see [`MlaLayout`]); `Ours` for `lowrank`, which has no other.
+    pub layout: MlaLayout,
+}
+
+impl Latent {
+    /// The rank fitted to the keys and values: `rank`, less the anchor channel that
+    /// DeepSeek's layout keeps in the latent (`convert::deepseek`).
+    pub fn fitted(&self) -> usize {
+        self.rank - (self.layout == MlaLayout::Deepseek) as usize
+    }
 }
 
 impl Spec {
+    /// Whether this spec asks for (or defaults to) DeepSeek's MLA layout on heads of `d`
+    /// dims, whose latent holds one anchor channel beside the fitted rank.
+    fn anchored(&self, d: usize) -> bool {
+        match self.layout {
+            Layout::Mla { rope, layout, .. } => {
+                layout.unwrap_or(match rope == d {
+                    true => MlaLayout::Deepseek,
+                    false => MlaLayout::Ours,
+                }) == MlaLayout::Deepseek
+            }
+            _ => false,
+        }
+    }
+
     /// Checks the spec against `cfg` and resolves the K/V heads and the method.
     pub fn plan(&self, cfg: &ModelConfig) -> Result<Plan> {
         let AttentionConfig::Gqa {
@@ -55,30 +79,48 @@ impl Spec {
         let h = cfg.num_attention_heads;
         let full = 2 * num_kv_heads * head_dim;
         let latent = match self.layout {
-            Layout::LowRank { rank } | Layout::Mla { rank, .. } if rank > full => {
+            Layout::LowRank { rank } | Layout::Mla { rank, .. }
+                if rank > full + self.anchored(head_dim) as usize =>
+            {
+                let most = full + self.anchored(head_dim) as usize;
                 return Err(bad(format!(
                     "{self}: rank {rank} is above the full rank of this model's keys and \
-                     values (2 × {num_kv_heads} K/V heads × head_dim {head_dim} = {full}); \
-                     use a rank of at most {full}"
-                )))
+                     values (2 × {num_kv_heads} K/V heads × head_dim {head_dim} = {full}{}); \
+                     use a rank of at most {most}",
+                    if most > full {
+                        ", and DeepSeek's layout's anchor"
+                    } else {
+                        ""
+                    }
+                )));
             }
             Layout::LowRank { rank } => Some(Latent {
                 rank,
                 full,
                 rope: None,
+                layout: MlaLayout::Ours,
             }),
-            Layout::Mla { rank, rope } => {
+            Layout::Mla { rank, rope, layout } => {
                 mla_fits(self, cfg, num_kv_heads, head_dim, rope)?;
-                if qkv_bias || o_bias || qk_norm {
+                let layout = mla_layout(self, layout, head_dim, rope, qkv_bias || o_bias)?;
+                if layout == MlaLayout::Deepseek && rank < 2 {
                     return Err(bad(format!(
-                        "{self}: MLA from a checkpoint with attention biases or q/k norms \
-                         (qwen2, qwen3) is not supported; use lowrank:R"
+                        "{self}: DeepSeek's layout keeps an anchor channel in the latent, so \
+                         the rank must be at least 2"
+                    )));
+                }
+                if qk_norm {
+                    return Err(bad(format!(
+                        "{self}: MLA cannot hold per-head q/k norms (qwen3): a key normalised \
+                         per head is no linear map of a latent shared by all heads, and \
+                         DeepSeek's one latent norm spans every head; use lowrank:R or gqa:G"
                     )));
                 }
                 Some(Latent {
                     rank,
                     full,
                     rope: Some(rope),
+                    layout,
                 })
             }
             _ => None,
@@ -105,7 +147,7 @@ impl Spec {
             Layout::LowRank { .. } => num_kv_heads,
             Layout::Mla { rope, .. } => rope / head_dim,
         };
-        let lossy = to < num_kv_heads || latent.is_some_and(|l| l.rank < l.full);
+        let lossy = to < num_kv_heads || latent.is_some_and(|l| l.fitted() < l.full);
         // What stands in for `aware` where it cannot apply.
         let fallback = match latent {
             Some(_) => Method::Svd,
@@ -146,6 +188,35 @@ impl Spec {
     }
 }
 
+/// The MLA layout of `spec`: as asked, else DeepSeek's where it can hold the conversion
+/// (one RoPE head, W = head_dim), else ours; attention biases need DeepSeek's.
+fn mla_layout(
+    spec: &Spec,
+    asked: Option<MlaLayout>,
+    d: usize,
+    w: usize,
+    bias: bool,
+) -> Result<MlaLayout> {
+    let layout = match spec.anchored(d) {
+        true => MlaLayout::Deepseek,
+        false => asked.unwrap_or(MlaLayout::Ours),
+    };
+    if layout == MlaLayout::Deepseek && w != d {
+        return Err(bad(format!(
+            "{spec}: DeepSeek's layout has one RoPE key head, so rope must be head_dim ({d}); \
+             use rope={d}, or layout=ours for {} RoPE heads",
+            w / d
+        )));
+    }
+    if layout == MlaLayout::Ours && bias {
+        return Err(bad(format!(
+            "{spec}: our MLA layout has no attention biases (qwen2); use layout=deepseek \
+             (rope={d}), which holds them"
+        )));
+    }
+    Ok(layout)
+}
+
 /// Whether `mla:R,rope=W` can be built on this model: RoPE over whole heads, W a whole
 /// number k of heads, k dividing the query heads, and each original K/V head either merged
 /// into one RoPE head or copied (k dividing G, or G dividing k).
@@ -182,8 +253,15 @@ impl Plan {
         let mut out = cfg.clone();
         if let (Some(l), Some(rope)) = (self.latent, self.latent.and_then(|l| l.rope)) {
             let d = l.full / (2 * self.from_kv_heads);
+            let q_bias = matches!(cfg.attention, AttentionConfig::Gqa { qkv_bias: true, .. });
+            let deepseek = l.layout == MlaLayout::Deepseek;
             out.attention = AttentionConfig::Mla(MlaConfig {
-                q_lora_rank: 0,
+                // DeepSeek's layout: an anchor channel beside the query and the latent
+                // (`convert::deepseek`), the query through q-LoRA only for a query bias.
+                q_lora_rank: match deepseek && q_bias {
+                    true => cfg.hidden_size + 1,
+                    false => 0,
+                },
                 kv_lora_rank: l.rank,
                 qk_nope_head_dim: d,
                 qk_rope_head_dim: rope,
@@ -191,9 +269,9 @@ impl Plan {
                 // DeepSeek's scale, so that the config reads back as written; the
                 // original's 1/√D is folded into the query (`convert::mla`).
                 softmax_scale: 1.0 / ((d + rope) as f64).sqrt(),
-                bias: false,
+                bias: deepseek,
                 rope_groups: self.to_kv_heads,
-                latent_norm: false,
+                latent_norm: deepseek,
             });
             return out;
         }
@@ -232,6 +310,6 @@ impl Plan {
     /// the full rank.
     pub fn is_exact(&self) -> bool {
         let heads_kept = (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1);
-        heads_kept && self.latent.is_none_or(|l| l.rank == l.full)
+        heads_kept && self.latent.is_none_or(|l| l.fitted() == l.full)
     }
 }

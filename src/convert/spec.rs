@@ -14,11 +14,37 @@ pub enum Layout {
     Mqa,
     /// G K/V heads.
     Gqa(usize),
-    /// Cacheable MLA: a rank-R latent and a RoPE key W wide (see `convert::mla`).
-    Mla { rank: usize, rope: usize },
+    /// Cacheable MLA: a rank-R latent and a RoPE key W wide (see `convert::mla`), in the
+    /// layout asked for (`None`: DeepSeek's where it can hold the conversion, see
+    /// [`super::Plan`]).
+    Mla {
+        rank: usize,
+        rope: usize,
+        layout: Option<MlaLayout>,
+    },
     /// A rank-R latent of the pre-RoPE keys and values, keys rebuilt and rotated when
     /// attending (see `convert::lowrank`).
     LowRank { rank: usize },
+}
+
+/// How an MLA conversion is laid out (`layout=deepseek|ours`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaLayout {
+    /// DeepSeek's, as transformers' `DeepseekV3ForCausalLM` loads it: one shared RoPE key
+    /// head, the latent's RMSNorm, a plain `q_proj` or (for a query bias) `q_a_proj` +
+    /// `q_a_layernorm` + `q_b_proj` (see `convert::deepseek`). Needs rope=head_dim.
+    Deepseek,
+    /// Ours, which loads here only: `rope_groups` RoPE heads, no latent norm, no biases.
+    Ours,
+}
+
+impl MlaLayout {
+    pub fn name(&self) -> &'static str {
+        match self {
+            MlaLayout::Deepseek => "deepseek",
+            MlaLayout::Ours => "ours",
+        }
+    }
 }
 
 /// How a lossy conversion chooses its weights.
@@ -82,11 +108,15 @@ impl std::str::FromStr for Spec {
             Some((n, a)) => (n, Some(a)),
             None => (head, None),
         };
-        let (mut method, mut rope) = (None, None);
+        let (mut method, mut rope, mut mla_layout) = (None, None, None);
         for part in parts {
             match part.split_once('=') {
                 Some(("method", m)) => method = Some(Method::parse(m)?),
                 Some(("rope", w)) if name == "mla" => rope = Some(count("rope width W", w)?),
+                Some(("layout", "deepseek")) if name == "mla" => {
+                    mla_layout = Some(MlaLayout::Deepseek)
+                }
+                Some(("layout", "ours")) if name == "mla" => mla_layout = Some(MlaLayout::Ours),
                 _ => return Err(bad(format!("unknown option {part:?} in {s:?}"))),
             }
         }
@@ -98,6 +128,7 @@ impl std::str::FromStr for Spec {
                 Some(rope) => Layout::Mla {
                     rank: count("mla:R", r)?,
                     rope,
+                    layout: mla_layout,
                 },
                 None => return Err(bad(format!("{s:?} needs a RoPE width: mla:R,rope=W"))),
             },
@@ -120,7 +151,12 @@ impl fmt::Display for Spec {
             Layout::Mha => write!(f, "mha")?,
             Layout::Mqa => write!(f, "mqa")?,
             Layout::Gqa(g) => write!(f, "gqa:{g}")?,
-            Layout::Mla { rank, rope } => write!(f, "mla:{rank},rope={rope}")?,
+            Layout::Mla { rank, rope, layout } => {
+                write!(f, "mla:{rank},rope={rope}")?;
+                if let Some(l) = layout {
+                    write!(f, ",layout={}", l.name())?;
+                }
+            }
             Layout::LowRank { rank } => write!(f, "lowrank:{rank}")?,
         }
         match self.method {
@@ -143,6 +179,8 @@ mod tests {
             "mqa,method=mean",
             "gqa:2,method=aware",
             "mla:64,rope=64",
+            "mla:64,rope=64,layout=ours",
+            "mla:64,rope=64,layout=deepseek,method=svd",
             "lowrank:128,method=svd",
         ] {
             assert_eq!(s.parse::<Spec>().unwrap().to_string(), s);
@@ -156,6 +194,8 @@ mod tests {
             "mqa,method=best",
             "mla:64",
             "mqa,rope=4",
+            "mla:64,rope=64,layout=v2",
+            "gqa:2,layout=ours",
         ] {
             assert!(s.parse::<Spec>().is_err(), "{s:?} parsed");
         }

@@ -5,7 +5,8 @@
 
 use super::gqa::{self, augment, Heads, Projections};
 use super::heal::{Form, Healer};
-use super::{lowrank, mla, Moments, Plan};
+use super::spec::MlaLayout;
+use super::{deepseek, lowrank, mla, Moments, Plan};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
@@ -53,14 +54,16 @@ pub fn fit(
     for layer in 0..cfg.num_hidden_layers {
         let w = projections(backend, cfg, layer)?;
         let moment = moments.map(|m| &m.per_layer[layer]);
-        let form = if plan.latent.is_some_and(|l| l.rope.is_some()) {
-            let out = mla::convert(plan, heads, &w, moment)?;
-            let c = cfg.hidden_size;
-            let weight = |t: &Tensor| t.narrow(1, 0, c)?.to_dtype(DType::F32);
-            let name = |p: &str| format!("model.layers.{layer}.self_attn.{p}.weight");
-            replaced.insert(name("q_proj"), weight(&out.q)?);
-            replaced.insert(name("kv_a_proj_with_mqa"), weight(&out.kv_a)?);
-            replaced.insert(name("kv_b_proj"), out.kv_b.to_dtype(DType::F32)?);
+        let form = if let Some(l) = plan.latent.filter(|l| l.rope.is_some()) {
+            // DeepSeek's layout fits one rank less: its anchor is the latent's last channel.
+            let latent = Some(super::Latent {
+                rank: l.fitted(),
+                ..l
+            });
+            let out = mla::convert(&Plan { latent, ..*plan }, heads, &w, moment)?;
+            for (name, t) in mla_tensors(&out, l.layout, cfg, backend, layer)? {
+                replaced.insert(format!("model.layers.{layer}.self_attn.{name}"), t);
+            }
             continue;
         } else if plan.latent.is_some() {
             let out = lowrank::convert(plan, heads, &w, moment)?;
@@ -91,6 +94,44 @@ pub fn fit(
         put(&mut replaced, cfg, layer, &form)?;
     }
     Ok(replaced)
+}
+
+/// An MLA layer's tensors by their names under `self_attn.`, in `layout`: every tensor the
+/// converted attention loads except `o_proj`'s own (DeepSeek's layout adds a zero `o_proj`
+/// bias where the original has none).
+fn mla_tensors(
+    out: &mla::Mla,
+    layout: MlaLayout,
+    cfg: &ModelConfig,
+    backend: &dyn SimpleBackend,
+    layer: usize,
+) -> Result<Vec<(String, Tensor)>> {
+    let AttentionConfig::Gqa {
+        qkv_bias, o_bias, ..
+    } = cfg.attention
+    else {
+        return Err(Error::Invalid("--attention: not a GQA-family model".into()));
+    };
+    let c = cfg.hidden_size;
+    if layout == MlaLayout::Ours {
+        let weight = |t: &Tensor| t.narrow(1, 0, c)?.to_dtype(DType::F32);
+        return Ok(vec![
+            ("q_proj.weight".into(), weight(&out.q)?),
+            ("kv_a_proj_with_mqa.weight".into(), weight(&out.kv_a)?),
+            ("kv_b_proj.weight".into(), out.kv_b.to_dtype(DType::F32)?),
+        ]);
+    }
+    let norm = format!("model.layers.{layer}.input_layernorm.weight");
+    let gamma = backend.get_unchecked(&norm, DType::F64, &Device::Cpu)?;
+    let gamma_max = gamma.abs()?.max_all()?.to_scalar::<f64>()?;
+    let mut tensors = deepseek::standard(out, c, gamma_max, qkv_bias)?;
+    if !o_bias {
+        tensors.push((
+            "o_proj.bias".into(),
+            Tensor::zeros(c, DType::F32, &Device::Cpu)?,
+        ));
+    }
+    Ok(tensors)
 }
 
 /// `form`'s tensors under their checkpoint names: an augmented (rows, C + 1) projection as

@@ -71,7 +71,7 @@ pub fn write(
                 )))
             }
         };
-        for name in written_as(conversion.plan(), &info.name) {
+        for name in written_as(&conversion, &info.name) {
             let t = backend
                 .get_unchecked(&name, want, &Device::Cpu)?
                 .contiguous()?;
@@ -103,13 +103,13 @@ pub fn write(
     })
 }
 
-/// `out` must be free: absent, or an empty directory.
 /// The tensors a checkpoint tensor becomes in the converted one: itself, except that a
 /// low-rank conversion replaces each layer's `k_proj` and `v_proj` by `kv_down` (with the
-/// keys' bias, if any), `k_up` and `v_up`, and MLA by `kv_a_proj_with_mqa` and `kv_b_proj`,
-/// in the dtype of the projections they replace.
-fn written_as(plan: &super::Plan, name: &str) -> Vec<String> {
-    let Some(latent) = plan.latent else {
+/// keys' bias, if any), `k_up` and `v_up`, and MLA every projection but `o_proj` by the
+/// conversion's tensors (written where `q_proj.weight` was), in the dtype of the
+/// projections they replace.
+fn written_as(conversion: &Conversion, name: &str) -> Vec<String> {
+    let Some(latent) = conversion.plan().latent else {
         return vec![name.to_string()];
     };
     let Some((layer, tail)) = name.split_once(".self_attn.") else {
@@ -118,9 +118,9 @@ fn written_as(plan: &super::Plan, name: &str) -> Vec<String> {
     let new = |p: &str| format!("{layer}.self_attn.{p}");
     if latent.rope.is_some() {
         return match tail {
-            "k_proj.weight" => vec![new("kv_a_proj_with_mqa.weight"), new("kv_b_proj.weight")],
-            "v_proj.weight" => vec![],
-            _ => vec![name.to_string()],
+            "q_proj.weight" => conversion.replaced_names(&new("")),
+            t if t.starts_with("o_proj.") => vec![name.to_string()],
+            _ => vec![],
         };
     }
     match tail {
@@ -132,6 +132,7 @@ fn written_as(plan: &super::Plan, name: &str) -> Vec<String> {
     }
 }
 
+/// `out` must be free: absent, or an empty directory.
 fn check_out(out: &Path) -> Result<()> {
     let taken = match std::fs::read_dir(out) {
         Ok(mut entries) => entries.next().is_some(),
@@ -166,18 +167,23 @@ fn config_json(original: &Value, cfg: &ModelConfig, dtype: Option<DType>) -> Res
         }
     }
     if let AttentionConfig::Mla(m) = &cfg.attention {
+        if m.latent_norm {
+            deepseek_fields(obj, cfg);
+        }
         let fields = [
-            ("q_lora_rank", Value::Null),
+            ("q_lora_rank", json!(Some(m.q_lora_rank).filter(|&r| r > 0))),
             ("kv_lora_rank", json!(m.kv_lora_rank)),
             ("qk_nope_head_dim", json!(m.qk_nope_head_dim)),
             ("qk_rope_head_dim", json!(m.qk_rope_head_dim)),
             ("v_head_dim", json!(m.v_head_dim)),
             ("rope_interleave", json!(cfg.rope.interleaved)),
-            ("rope_groups", json!(m.rope_groups)),
-            ("kv_latent_norm", json!(m.latent_norm)),
         ];
         for (k, v) in fields {
             obj.insert(k.into(), v);
+        }
+        if !m.latent_norm {
+            obj.insert("rope_groups".into(), json!(m.rope_groups));
+            obj.insert("kv_latent_norm".into(), json!(false));
         }
     }
     obj.insert("rope_theta".into(), json!(cfg.rope.theta));
@@ -194,6 +200,33 @@ fn config_json(original: &Value, cfg: &ModelConfig, dtype: Option<DType>) -> Res
         }
     }
     serde_json::to_string_pretty(&v).map_err(|e| Error::Config(e.to_string()))
+}
+
+/// A Llama/Qwen2 config made DeepSeek-V3's (`layout=deepseek`): its class, every layer
+/// dense (`first_k_dense_replace` = the layers, so no expert is built), the attention
+/// biases that hold the anchors (`convert::deepseek`), and no key DeepSeek does not have
+/// for attention (sliding windows, head_dim, K/V heads other than the query heads).
+fn deepseek_fields(obj: &mut serde_json::Map<String, Value>, cfg: &ModelConfig) {
+    for key in [
+        "head_dim",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "mlp_bias",
+    ] {
+        obj.remove(key);
+    }
+    let fields = [
+        ("architectures", json!(["DeepseekV3ForCausalLM"])),
+        ("model_type", json!("deepseek_v3")),
+        ("num_key_value_heads", json!(cfg.num_attention_heads)),
+        ("first_k_dense_replace", json!(cfg.num_hidden_layers)),
+        ("attention_bias", json!(true)),
+    ];
+    for (k, v) in fields {
+        obj.insert(k.into(), v);
+    }
 }
 
 /// Copies the tokenizer and generation files beside the weights (a bundled model's

@@ -23,7 +23,9 @@ use half::bf16;
 const BLOCK: usize = 256;
 
 /// `softmax(q · kᵀ · scale) · v` for q (B, H, 1, Dk), k (B, G, S, Dk), v (B, G, S, Dv),
-/// H a multiple of G; k and v may be views of a longer cache (rows contiguous).
+/// H a multiple of G; k and v may be views of a longer cache (k's rows contiguous, v's rows
+/// each contiguous but possibly further apart: MLA's values are the first kv_lora_rank
+/// columns of its cached rows `[c_kv | k_pe]`, whose whole rows are its keys).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeAttention {
     pub scale: f32,
@@ -48,28 +50,30 @@ struct Partial {
     acc: Vec<f32>,
 }
 
-/// Where a (batch, head) starts in a storage, checking that its rows are contiguous.
-fn head_offset(l: &Layout, b: usize, g: usize, what: &str) -> Result<usize> {
+/// Where a (batch, head) starts in a storage, and the step from one row to the next,
+/// checking that each row is contiguous and, unless `gaps`, that the rows are packed.
+fn head_offset(l: &Layout, b: usize, g: usize, what: &str, gaps: bool) -> Result<(usize, usize)> {
     let (st, d) = (l.stride(), l.dims());
     // A dimension of size 1 has no step to check (candle calls such a layout contiguous
     // whatever its stride: a one-position cache rebuilt by the low-rank attention).
-    if (st[3] != 1 && d[3] > 1) || (st[2] != d[3] && d[2] > 1) {
+    let row = if d[2] > 1 { st[2] } else { d[3] };
+    if (st[3] != 1 && d[3] > 1) || row < d[3] || (!gaps && row != d[3]) {
         return Err(Error::Msg(format!(
             "decode attention: {what} rows are not contiguous"
         )));
     }
-    Ok(l.start_offset() + b * st[0] + g * st[1])
+    Ok((l.start_offset() + b * st[0] + g * st[1], row))
 }
 
 /// The cache's element types: f32 as is, bf16 as raw bits (keys for the pair-reading
 /// kernel, values widened in [`accumulate`]). The query comes in the layout the key kernel
 /// reads: as is for f32, [`simd::pair_layout`] for bf16, made once per step by the caller.
-trait Cached: Copy + Sync {
+pub(super) trait Cached: Copy + Sync {
     fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: &mut [f32]);
     fn widen(self) -> f32;
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
-    fn accumulate_neon(p: &[f32], v: &[Self], dv: usize, acc: &mut [f32]);
+    fn accumulate_neon(p: &[f32], v: &[Self], dv: (usize, usize), acc: &mut [f32]);
 }
 
 impl Cached for f32 {
@@ -81,7 +85,7 @@ impl Cached for f32 {
         self
     }
     #[cfg(target_arch = "aarch64")]
-    fn accumulate_neon(p: &[f32], v: &[f32], dv: usize, acc: &mut [f32]) {
+    fn accumulate_neon(p: &[f32], v: &[f32], dv: (usize, usize), acc: &mut [f32]) {
         // SAFETY: NEON is in every aarch64 CPU (and `Isa` has asked this one).
         unsafe { arm::accumulate(p, v, dv, acc) }
     }
@@ -96,67 +100,21 @@ impl Cached for u16 {
         f32::from_bits((self as u32) << 16)
     }
     #[cfg(target_arch = "aarch64")]
-    fn accumulate_neon(p: &[f32], v: &[u16], dv: usize, acc: &mut [f32]) {
+    fn accumulate_neon(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
         // SAFETY: as for f32.
         unsafe { arm::accumulate(p, v, dv, acc) }
     }
 }
 
-/// `acc (M, Dv) += p (M, L) · v (L, Dv)`, one row of v at a time (a block of v is read
-/// once per query head, from cache).
-fn accumulate<T: Cached>(isa: Isa, p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
-    match isa.kind() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: an `Isa` of this kind exists only on a CPU with AVX-512.
-        IsaKind::Avx512 => unsafe { accumulate_avx512(p, v, dv, acc) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above, an `Isa` of this kind exists only with AVX2 and FMA.
-        IsaKind::Avx2 => unsafe { accumulate_avx2(p, v, dv, acc) },
-        #[cfg(target_arch = "aarch64")]
-        IsaKind::Neon => T::accumulate_neon(p, v, dv, acc),
-        _ => accumulate_plain(p, v, dv, acc),
-    }
-}
-
-/// [`accumulate_plain`] compiled for AVX-512: the loop over Dv is independent per element,
-/// so the compiler vectorises it without help.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn accumulate_avx512<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
-    accumulate_plain(p, v, dv, acc)
-}
-
-/// [`accumulate_plain`] compiled for AVX2 + FMA, eight lanes at a time.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn accumulate_avx2<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
-    accumulate_plain(p, v, dv, acc)
-}
-
-#[inline(always)]
-fn accumulate_plain<T: Cached>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
-    if dv == 0 {
-        return;
-    }
-    let l = v.len() / dv;
-    for (pm, am) in p.chunks_exact(l.max(1)).zip(acc.chunks_exact_mut(dv)) {
-        for (&pj, vj) in pm.iter().zip(v.chunks_exact(dv)) {
-            for (a, &x) in am.iter_mut().zip(vj) {
-                *a += pj * x.widen();
-            }
-        }
-    }
-}
-
 /// Attention over positions `p0..p1` of one (batch, K/V head): `q` holds the group's query
 /// heads (hg × dk, in the layout of [`Cached`]), `k` and `v` that head's cached rows from
-/// position 0.
+/// position 0 (v's `vs` apart).
 fn block<T: Cached>(
     isa: Isa,
     scale: f32,
     q: &[f32],
     (k, v): (&[T], &[T]),
-    (dk, dv): (usize, usize),
+    (dk, dv, vs): (usize, usize, usize),
     (p0, p1): (usize, usize),
 ) -> Partial {
     let (hg, len) = (q.len() / dk, p1 - p0);
@@ -164,14 +122,10 @@ fn block<T: Cached>(
     T::scores(isa, q, dk, &k[p0 * dk..p1 * dk], &mut s);
     let (mut max, mut sum) = (vec![f32::NEG_INFINITY; hg], vec![0f32; hg]);
     for ((row, m), total) in s.chunks_exact_mut(len).zip(&mut max).zip(&mut sum) {
-        *m = row.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x * scale));
-        for x in row.iter_mut() {
-            *x = (*x * scale - *m).exp();
-            *total += *x;
-        }
+        (*m, *total) = tile::softmax_row(isa, row, scale);
     }
     let mut acc = vec![0f32; hg * dv];
-    accumulate(isa, &s, &v[p0 * dv..p1 * dv], dv, &mut acc);
+    tile::accumulate(isa, &s, &v[p0 * vs..(p1 - 1) * vs + dv], (dv, vs), &mut acc);
     Partial { max, sum, acc }
 }
 
@@ -187,14 +141,17 @@ fn attend<T: Cached>(
     let dv = vl.dims()[3];
     let (hg, blocks, isa) = (h / g, s.div_ceil(BLOCK), Isa::current());
     let mut heads = Vec::with_capacity(b * g);
+    let mut vs = dv;
     for bi in 0..b {
         for gi in 0..g {
-            let (ko, vo) = (head_offset(kl, bi, gi, "k")?, head_offset(vl, bi, gi, "v")?);
+            let (ko, _) = head_offset(kl, bi, gi, "k", false)?;
+            let (vo, step) = head_offset(vl, bi, gi, "v", true)?;
             let q0 = (bi * h + gi * hg) * dk;
+            vs = step;
             heads.push((
                 &q[q0..q0 + hg * dk],
                 &k[ko..ko + s * dk],
-                &v[vo..vo + s * dv],
+                &v[vo..vo + (s - 1) * vs + dv],
             ));
         }
     }
@@ -209,7 +166,7 @@ fn attend<T: Cached>(
             op.scale,
             qh,
             (kh, vh),
-            (dk, dv),
+            (dk, dv, vs),
             (p0, (p0 + BLOCK).min(s)),
         );
         *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
@@ -302,6 +259,7 @@ impl CustomOp3 for DecodeAttention {
 
 #[cfg(target_arch = "aarch64")]
 mod arm;
+mod tile;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

@@ -11,16 +11,19 @@
 //! halves are kept: both forms use them (two products up-project, where the checkpoint's
 //! matrix made one), so the layer holds each weight once.
 
-use super::{attend, join, sdpa, Span};
+use super::{join, sdpa, Span};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
-use crate::model::rms_norm;
 use crate::model::rope::Rotation;
+use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{RmsNorm, VarBuilder};
+
+/// The eps of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
+pub const LATENT_NORM_EPS: f64 = 1e-6;
 
 /// How the query is produced: directly, or through a low-rank bottleneck (q-LoRA).
 #[derive(Debug, Clone)]
@@ -65,7 +68,10 @@ impl MlaAttention {
         let AttentionConfig::Mla(m) = &cfg.attention else {
             return Err(Error::Msg("MlaAttention needs an MLA config".into()));
         };
-        let (h, hidden, eps) = (cfg.num_attention_heads, cfg.hidden_size, cfg.rms_norm_eps);
+        let (h, hidden) = (cfg.num_attention_heads, cfg.hidden_size);
+        // transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
+        // not the config's rms_norm_eps (DeepSeek's own configs say 1e-6 for both).
+        let eps = LATENT_NORM_EPS;
         let qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim;
         let query = match m.q_lora_rank {
             0 => QueryProj::Direct {
@@ -83,7 +89,11 @@ impl MlaAttention {
         let w = kv_b_proj
             .weight()
             .ok_or_else(|| Error::Msg("kv_b_proj is quantized".into()))?;
-        let w = w.reshape((h, nope + v, r))?;
+        // In the activations' dtype: candle's CPU matmul has no fast bf16 path, and these
+        // per-head products are small (SmolLM2 as mla:64 decode 62.8 -> ? tok/s).
+        let w = w
+            .reshape((h, nope + v, r))?
+            .to_dtype(activation_dtype(w.dtype(), w.device()))?;
         let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // (H, nope, r)
         let w_uv = w.narrow(1, nope, v)?.contiguous()?; // (H, v, r)
         Ok(Self {
@@ -205,14 +215,14 @@ impl MlaAttention {
         let (m, mask, pos) = (&self.cfg, span.mask.as_ref(), span.pos);
         let q_full = || Tensor::cat(&[q_nope, q_pe], D::Minus1);
         match (cache, form) {
-            // The latent cache: only c_kv and k_pe are stored; read back all S positions.
+            // The latent cache: only rows [c_kv | k_pe] are stored; read back all S positions.
             (LayerCache::Latent { .. }, MlaForm::Absorbed) => {
-                let (c_kv, k_pe) = cache.write(c_kv, k_pe, pos)?; // (1, 1, S, r), (1, 1, S, rope)
-                self.absorbed(q_nope, q_pe, &c_kv, &k_pe, mask)
+                let rows = cache.write_latent(c_kv, k_pe, pos)?; // (1, 1, S, r + rope)
+                self.absorbed(q_nope, q_pe, &rows, mask)
             }
             (LayerCache::Latent { .. }, MlaForm::Expanded) => {
                 let (c_kv, k_pe) = cache.write(c_kv, k_pe, pos)?;
-                let (k, v) = self.up_project(&c_kv, &k_pe)?;
+                let (k, v) = self.up_project(&c_kv.contiguous()?, &k_pe)?;
                 sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)
             }
             // For comparison only: cache the up-projected per-head K and V, as MHA would.
@@ -244,40 +254,45 @@ impl MlaAttention {
         Ok((k, v))
     }
 
-    /// Attend over the latents as one shared "head" of width kv_lora_rank (like MQA).
+    /// Attend over the latents as one shared K/V head (like MQA): the keys are the cached rows
+    /// `[c_kv | k_pe]` (1, 1, S, r + rope), the values their first r columns (a view), and
+    /// each query head is `[q_nope · W_UK, q_pe]`. One new token without a mask runs in the
+    /// fused decode op of [`sdpa`], which reads each cached row once for all heads.
     fn absorbed(
         &self,
         q_nope: &Tensor,
         q_pe: &Tensor,
-        c_kv: &Tensor,
-        k_pe: &Tensor,
+        rows: &Tensor,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
         let m = &self.cfg;
         let (b, h, t, _) = q_nope.dims4()?;
-        let (r, rope_dim) = (m.kv_lora_rank, m.qk_rope_head_dim);
-        // In the cache's (and the weights') dtype: candle's matmul takes one dtype.
+        let r = m.kv_lora_rank;
         let act = q_nope.dtype();
-        let (q_nope, q_pe) = (q_nope.to_dtype(c_kv.dtype())?, q_pe.to_dtype(c_kv.dtype())?);
-        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
-        let q_nope =
-            q_nope
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((h, b * t, m.qk_nope_head_dim))?;
-        let q_lat = q_nope.matmul(&self.w_uk)?;
-        // All heads against the one latent "head": (B, 1, H·T, r)
-        let q_lat = q_lat
-            .reshape((h, b, t, r))?
+        // q_lat_i = q_nope_i · W_UK_i per head, in the weights' dtype (candle's matmul takes
+        // one): (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
+        let q_nope = q_nope
+            .to_dtype(self.w_uk.dtype())?
             .transpose(0, 1)?
             .contiguous()?
-            .reshape((b, 1, h * t, r))?;
-        let q_pe = q_pe.contiguous()?.reshape((b, 1, h * t, rope_dim))?;
-        let scores = (q_lat.matmul(&c_kv.t()?)? + q_pe.matmul(&k_pe.t()?)?)?; // (B, 1, H·T, S)
-        let o_lat = attend(&scores, c_kv, h, t, m.softmax_scale, mask)?; // (B, H, T, r)
+            .reshape((h, b * t, m.qk_nope_head_dim))?;
+        let q_lat = q_nope.matmul(&self.w_uk)?.to_dtype(act)?;
+        let q_lat = q_lat.reshape((h, b, t, r))?.transpose(0, 1)?; // (B, H, T, r)
+        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
+        let fused = t == 1 && mask.is_none() && super::decode::takes(rows);
+        let v = match fused {
+            true => rows.narrow(D::Minus1, 0, r)?,
+            false => rows.narrow(D::Minus1, 0, r)?.contiguous()?,
+        };
+        let rows = match fused {
+            true => rows.clone(),
+            false => rows.to_dtype(act)?,
+        };
+        let o_lat = sdpa(&q, &rows, &v.to_dtype(rows.dtype())?, m.softmax_scale, mask)?; // (B, H, T, r)
 
         // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
         let o_lat = o_lat
+            .to_dtype(self.w_uv.dtype())?
             .transpose(0, 1)?
             .contiguous()?
             .reshape((h, b * t, r))?;

@@ -40,16 +40,17 @@ impl Lanes for u16 {
     }
 }
 
-/// `acc (M, Dv) += p (M, L) · v (L, Dv)`, 8 columns of a row of v per step (two independent
+/// `acc (M, Dv) += p (M, L) · v (L, Dv)` (row j of v at `j·vs`), 8 columns of a row of v per step (two independent
 /// multiply-adds), then 4, then one at a time.
 #[target_feature(enable = "neon")]
-pub(super) fn accumulate<T: Lanes>(p: &[f32], v: &[T], dv: usize, acc: &mut [f32]) {
+pub(super) fn accumulate<T: Lanes>(p: &[f32], v: &[T], (dv, vs): (usize, usize), acc: &mut [f32]) {
     if dv == 0 {
         return;
     }
-    let l = v.len() / dv;
+    let l = p.len() / (acc.len() / dv).max(1);
     for (pm, am) in p.chunks_exact(l.max(1)).zip(acc.chunks_exact_mut(dv)) {
-        for (&pj, vj) in pm.iter().zip(v.chunks_exact(dv)) {
+        for (j, &pj) in pm.iter().enumerate() {
+            let vj = &v[j * vs..j * vs + dv];
             let (a, vp) = (am.as_mut_ptr(), vj.as_ptr());
             let mut i = 0;
             // SAFETY: i + 8 (or 4) <= dv, the length of both `am` and `vj`; NEON (this

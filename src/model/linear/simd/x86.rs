@@ -90,12 +90,22 @@ macro_rules! tiled {
                     let mut m = m0;
                     // SAFETY (every call): n + NR <= rows_w and m + MR <= m1 <= rows_x.
                     if n + 4 <= rows_w {
-                        while m1 - m >= $mr {
-                            $tile::<4, $mr>(x, k, w, (n, m), y, ldy);
-                            m += $mr;
-                        }
-                        for m in m..m1 {
-                            $tile::<4, 1>(x, k, w, (n, m), y, ldy);
+                        // Tiles of $mr x rows; nine rows (MLA's heads over one latent) as
+                        // 3 + 3 + 3 rather than 4 + 4 + 1, and a tail of 2 or 3 in one tile.
+                        let thirds = $mr >= 4 && !(m1 - m).is_multiple_of(4) && (m1 - m).is_multiple_of(3);
+                        while m < m1 {
+                            let step = match m1 - m {
+                                left if thirds || ($mr >= 4 && left == 3) => left.min(3),
+                                left if left >= $mr => $mr,
+                                left => left.min(2),
+                            };
+                            match step {
+                                3 => $tile::<4, 3>(x, k, w, (n, m), y, ldy),
+                                2 => $tile::<4, 2>(x, k, w, (n, m), y, ldy),
+                                1 => $tile::<4, 1>(x, k, w, (n, m), y, ldy),
+                                _ => $tile::<4, $mr>(x, k, w, (n, m), y, ldy),
+                            }
+                            m += step;
                         }
                         n += 4;
                     } else {
