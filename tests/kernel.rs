@@ -534,7 +534,13 @@ fn probe_decode_attention() -> candle_core::Result<()> {
         let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 128), &dev)?;
         let rows = bf16((1, 1, s, 128))?;
         let v = rows.narrow(3, 0, 64)?;
-        time(&format!("mla:64,rope=64 at {s}"), &q, &rows, &v, s * 9 * (128 + 64))?;
+        time(
+            &format!("mla:64,rope=64 at {s}"),
+            &q,
+            &rows,
+            &v,
+            s * 9 * (128 + 64),
+        )?;
         let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 64), &dev)?;
         let (k, v) = (bf16((1, 3, s, 64))?, bf16((1, 3, s, 64))?);
         time(&format!("gqa 9/3 at {s}"), &q, &k, &v, s * 9 * 128)?;

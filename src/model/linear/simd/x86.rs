@@ -92,7 +92,8 @@ macro_rules! tiled {
                     if n + 4 <= rows_w {
                         // Tiles of $mr x rows; nine rows (MLA's heads over one latent) as
                         // 3 + 3 + 3 rather than 4 + 4 + 1, and a tail of 2 or 3 in one tile.
-                        let thirds = $mr >= 4 && !(m1 - m).is_multiple_of(4) && (m1 - m).is_multiple_of(3);
+                        let thirds =
+                            $mr >= 4 && !(m1 - m).is_multiple_of(4) && (m1 - m).is_multiple_of(3);
                         while m < m1 {
                             let step = match m1 - m {
                                 left if thirds || ($mr >= 4 && left == 3) => left.min(3),
