@@ -344,7 +344,8 @@ fn deepseek_mla_round_trips_through_transformers() {
     let qwen2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen2-bias");
     let mut cases = vec![(qwen2.to_str().unwrap().to_string(), "mla:48,rope=16")];
     if let Some(dir) = stories260k() {
-        cases.push((dir, "mla:32,rope=8,method=svd"));
+        // kv_lora_rank 8 = qk_nope_head_dim: kv_b_proj folded into q_proj and o_proj here.
+        cases.push((dir, "mla:8,rope=8,method=svd"));
     }
     if let Some(dir) = checkpoint("smollm2-135m-instruct") {
         cases.push((

@@ -22,6 +22,57 @@ use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{RmsNorm, VarBuilder};
 
+/// `q_proj` and `o_proj` with `kv_b_proj` folded in ([`UpProj::Folded`]), in q_proj's and
+/// o_proj's dtype: per head, the query's nope rows become `W_UKᵀ · W_q,nope` (r rows) beside
+/// its RoPE rows, and o_proj's columns of the head become `W_o,h · W_UV` (r columns).
+fn fold(
+    m: &MlaConfig,
+    h: usize,
+    (q_proj, o_proj): (&Linear, &Linear),
+    (w_uk, w_uv): (&Tensor, &Tensor),
+) -> Result<(Linear, Linear)> {
+    let (r, nope, rope, v) = (
+        m.kv_lora_rank,
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+    );
+    let (Some(wq), Some(wo)) = (q_proj.weight(), o_proj.weight()) else {
+        return Err(Error::Msg(
+            "MLA: folding needs dense q_proj and o_proj".into(),
+        ));
+    };
+    let f64 = |t: &Tensor| t.to_dtype(candle_core::DType::F64);
+    let (uk, uv) = (f64(w_uk)?, f64(w_uv)?);
+    let c = wq.dim(1)?;
+    let wq = f64(wq)?.reshape((h, nope + rope, c))?;
+    // (H, r, nope) x (H, nope, C) -> (H, r, C), then each head's RoPE rows: (H·(r + rope), C)
+    let q_lat = uk
+        .transpose(1, 2)?
+        .contiguous()?
+        .matmul(&wq.narrow(1, 0, nope)?.contiguous()?)?;
+    let q = Tensor::cat(&[q_lat, wq.narrow(1, nope, rope)?], 1)?.reshape((h * (r + rope), c))?;
+    // (H, C, v) x (H, v, r) -> (H, C, r) -> (C, H·r)
+    let out = wo.dim(0)?;
+    let wo = f64(wo)?
+        .reshape((out, h, v))?
+        .transpose(0, 1)?
+        .contiguous()?;
+    let o = wo
+        .matmul(&uv)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((out, h * r))?;
+    let dtype = |l: &Linear| {
+        l.weight()
+            .map(|w| w.dtype())
+            .unwrap_or(candle_core::DType::F32)
+    };
+    let q = Linear::new(q.to_dtype(dtype(q_proj))?, None);
+    let o = Linear::new(o.to_dtype(dtype(o_proj))?, o_proj.bias().cloned());
+    Ok((q, o))
+}
+
 /// The eps of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
 pub const LATENT_NORM_EPS: f64 = 1e-6;
 
@@ -47,17 +98,35 @@ pub enum MlaForm {
     Absorbed,
 }
 
+/// Where `kv_b_proj` went at load.
+#[derive(Debug, Clone)]
+enum UpProj {
+    /// Split per head, multiplied at every step: the absorbed form's `q_nope · W_UK` and
+    /// `o_lat · W_UVᵀ`, the expanded form's up-projections.
+    PerHead {
+        /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous,
+        /// in the activations' dtype (candle's CPU matmul has no fast bf16 path).
+        w_uk: Tensor,
+        /// kv_b_proj's value rows per head, (H, v_head_dim, kv_lora_rank), contiguous.
+        w_uv: Tensor,
+    },
+    /// Folded into the weights around it (when that makes them no larger: kv_lora_rank at
+    /// most qk_nope_head_dim and v_head_dim, as in MLA converted from GQA): `q_proj` yields
+    /// each head's `[q_nope · W_UK, q_pe]` (H·(r + rope) rows) and `o_proj` reads each
+    /// head's latent output (H·r columns), so a step has no per-head products at all and
+    /// prompts take the absorbed form too. The up-projected K/V can no longer be built.
+    Folded,
+}
+
 #[derive(Debug, Clone)]
 pub struct MlaAttention {
+    /// With [`UpProj::Folded`], `q_proj` of H·(r + rope) rows.
     query: QueryProj,
     kv_a_proj_with_mqa: Linear,
     /// `None` when the config says `latent_norm: false` (a converted GQA checkpoint's).
     kv_a_layernorm: Option<RmsNorm>,
-    /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous. Not a
-    /// strided view of kv_b_proj: candle's bf16 matmul took twice as long on one.
-    w_uk: Tensor,
-    /// kv_b_proj's value rows per head, (H, v_head_dim, kv_lora_rank), contiguous.
-    w_uv: Tensor,
+    up: UpProj,
+    /// With [`UpProj::Folded`], H·r columns.
     o_proj: Linear,
     num_heads: usize,
     cfg: MlaConfig,
@@ -96,6 +165,14 @@ impl MlaAttention {
             .to_dtype(activation_dtype(w.dtype(), w.device()))?;
         let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // (H, nope, r)
         let w_uv = w.narrow(1, nope, v)?.contiguous()?; // (H, v, r)
+        let o_proj = linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?;
+        let (query, up, o_proj) = match (query, r <= nope && r <= v) {
+            (QueryProj::Direct { q_proj }, true) if q_proj.weight().is_some() => {
+                let (q_proj, o_proj) = fold(m, h, (&q_proj, &o_proj), (&w_uk, &w_uv))?;
+                (QueryProj::Direct { q_proj }, UpProj::Folded, o_proj)
+            }
+            (query, _) => (query, UpProj::PerHead { w_uk, w_uv }, o_proj),
+        };
         Ok(Self {
             query,
             kv_a_proj_with_mqa: linear_b(
@@ -108,16 +185,15 @@ impl MlaAttention {
                 true => Some(rms_norm(r, eps, vb.pp("kv_a_layernorm"))?),
                 false => None,
             },
-            w_uk,
-            w_uv,
-            o_proj: linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?,
+            up,
+            o_proj,
             num_heads: h,
             cfg: m.clone(),
         })
     }
 
-    /// Quantizes the projections; the up-projections W_UK and W_UV stay as they are (the
-    /// absorbed decode multiplies them per head). Returns the bytes saved.
+    /// Quantizes the projections; the per-head up-projections W_UK and W_UV, where they are
+    /// kept, stay as they are. Returns the bytes saved.
     pub fn quantize(&mut self, q: &dyn Quantizer) -> Result<usize> {
         let mut linears = vec![&mut self.kv_a_proj_with_mqa, &mut self.o_proj];
         match &mut self.query {
@@ -130,8 +206,9 @@ impl MlaAttention {
     }
 
     /// x: (1, N, C), the packed tokens of `spans` (see [`Span`]). A span of one new token
-    /// takes the absorbed form, a prompt chunk the expanded one. With a [`LayerCache::Kv`]
-    /// (see [`crate::KvCache::expanded`]) the up-projected K/V are cached.
+    /// takes the absorbed form, a prompt chunk the expanded one (the absorbed one too with
+    /// [`UpProj::Folded`]). With a [`LayerCache::Kv`] (see [`crate::KvCache::expanded`]) the
+    /// up-projected K/V are cached.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -147,7 +224,12 @@ impl MlaAttention {
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
         );
-        // 1. Query: (1, H, N, nope + rope), split into its two parts
+        // 1. Query: (1, H, N, nope + rope), split into its two parts (folded: the first part
+        //    is already the latent query, r wide)
+        let (nope, out) = match self.up {
+            UpProj::Folded => (r, r),
+            UpProj::PerHead { .. } => (nope, m.v_head_dim),
+        };
         let q = match &self.query {
             QueryProj::Direct { q_proj } => q_proj.forward(x)?,
             QueryProj::LowRank {
@@ -176,12 +258,12 @@ impl MlaAttention {
             .map(|(span, cache)| {
                 let (q_nope, q_pe) = (span.rows(&q_nope, 2)?, span.rows(&q_pe, 2)?);
                 let (c_kv, k_pe) = (span.rows(&c_kv, 2)?, span.rows(&k_pe, 2)?);
-                let form = match span.len {
-                    1 => MlaForm::Absorbed,
+                let form = match (span.len, &self.up) {
+                    (1, _) | (_, UpProj::Folded) => MlaForm::Absorbed,
                     _ => MlaForm::Expanded,
                 };
                 let y = self.attend_span((&q_nope, &q_pe), (&c_kv, &k_pe), span, cache, form)?;
-                y.transpose(1, 2)?.reshape((b, span.len, h * m.v_head_dim))
+                y.transpose(1, 2)?.reshape((b, span.len, h * out))
             })
             .collect::<Result<Vec<_>>>()?;
         // 5. Heads merged, output projection over every token
@@ -236,6 +318,11 @@ impl MlaAttention {
 
     /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).
     fn up_project(&self, c_kv: &Tensor, k_pe: &Tensor) -> Result<(Tensor, Tensor)> {
+        let UpProj::PerHead { w_uk, w_uv } = &self.up else {
+            return Err(Error::Msg(
+                "MLA: kv_b_proj is folded into q_proj and o_proj; no per-head K/V to cache".into(),
+            ));
+        };
         let m = &self.cfg;
         let (b, _, s, r) = c_kv.dims4()?;
         let h = self.num_heads;
@@ -247,8 +334,8 @@ impl MlaAttention {
             let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
             y.reshape((b, s, h, width))?.transpose(1, 2)
         };
-        let k_nope = up(&self.w_uk, nope)?;
-        let v = up(&self.w_uv, v)?.contiguous()?;
+        let k_nope = up(w_uk, nope)?;
+        let v = up(w_uv, v)?.contiguous()?;
         let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
         let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
         Ok((k, v))
@@ -269,15 +356,19 @@ impl MlaAttention {
         let (b, h, t, _) = q_nope.dims4()?;
         let r = m.kv_lora_rank;
         let act = q_nope.dtype();
-        // q_lat_i = q_nope_i · W_UK_i per head, in the weights' dtype (candle's matmul takes
-        // one): (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
-        let q_nope = q_nope
-            .to_dtype(self.w_uk.dtype())?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((h, b * t, m.qk_nope_head_dim))?;
-        let q_lat = q_nope.matmul(&self.w_uk)?.to_dtype(act)?;
-        let q_lat = q_lat.reshape((h, b, t, r))?.transpose(0, 1)?; // (B, H, T, r)
+        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
+        let q_lat = match &self.up {
+            UpProj::Folded => q_nope.clone(),
+            UpProj::PerHead { w_uk, .. } => {
+                let q_nope = q_nope
+                    .to_dtype(w_uk.dtype())?
+                    .transpose(0, 1)?
+                    .contiguous()?
+                    .reshape((h, b * t, m.qk_nope_head_dim))?;
+                let q_lat = q_nope.matmul(w_uk)?.to_dtype(act)?;
+                q_lat.reshape((h, b, t, r))?.transpose(0, 1)? // (B, H, T, r)
+            }
+        };
         let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
         let fused = t == 1 && mask.is_none() && super::decode::takes(rows);
         let v = match fused {
@@ -288,15 +379,18 @@ impl MlaAttention {
             true => rows.clone(),
             false => rows.to_dtype(act)?,
         };
-        let o_lat = sdpa(&q, &rows, &v.to_dtype(rows.dtype())?, m.softmax_scale, mask)?; // (B, H, T, r)
-
+        let v = v.to_dtype(rows.dtype())?;
+        let o_lat = sdpa(&q, &rows, &v, m.softmax_scale, mask)?; // (B, H, T, r)
+        let UpProj::PerHead { w_uv, .. } = &self.up else {
+            return o_lat.to_dtype(act); // o_proj reads the latent outputs
+        };
         // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
         let o_lat = o_lat
-            .to_dtype(self.w_uv.dtype())?
+            .to_dtype(w_uv.dtype())?
             .transpose(0, 1)?
             .contiguous()?
             .reshape((h, b * t, r))?;
-        let o = o_lat.matmul(&self.w_uv.transpose(1, 2)?)?;
+        let o = o_lat.matmul(&w_uv.transpose(1, 2)?)?;
         o.reshape((h, b, t, m.v_head_dim))?
             .transpose(0, 1)? // (B, H, T, v)
             .to_dtype(act)
