@@ -4,11 +4,14 @@ For each model and each `--attention` spec (plus the original, unconverted): the
 conversion used, KV bytes per token (default dtype, the checkpoint's: f32 for both) and its
 ratio to the original's, perplexity on a held-out text and ΔNLL in nats against the original
 (`eval`, which also reports the KV bytes and the conversion's seconds: one run each, they
-are deterministic), and decode tok/s at a long context (`bench`, medians of `--rounds`
-rounds that alternate over the specs, so machine noise hits every spec alike). Every
-conversion calibrates on the program's default text, data/calibration.txt.
+are deterministic), what 1 GB of that cache holds (tokens of context, sequences of 4,096),
+and decode tok/s at a long context (`bench`, medians of `--rounds` rounds that alternate
+over the specs, so machine noise hits every spec alike), and at a longer one where the
+model has it. Every conversion calibrates on the program's default text,
+data/calibration.txt.
 
-- smollm2: SmolLM2-135M-Instruct, held out tests/data/passage.txt, bench 2000 + 32 tokens.
+- smollm2: SmolLM2-135M-Instruct, held out tests/data/passage.txt, bench 2000 + 32 and
+  6000 + 32 tokens.
 - stories260k: stories260K (context 512), held out tests/data/stories-heldout.txt (children's
   prose written for this repo in the TinyStories style, not from its training data),
   bench 480 + 31 tokens.
@@ -38,6 +41,7 @@ MODELS = {
         "dir": "target/models/smollm2-135m-instruct",
         "heldout": "tests/data/passage.txt",
         "bench": (2000, 32),
+        "long": (6000, 32),
         "specs": ["original", "mha", "mqa,method=mean", "mqa", "lowrank:384", "lowrank:256",
                   "lowrank:128", "lowrank:128,method=svd", "lowrank:64", "mla:64,rope=64",
                   "mla:192,rope=64", "mla:192,rope=192", "mqa+heal", "lowrank:128+heal"],
@@ -46,6 +50,7 @@ MODELS = {
         "dir": "../shared/checkpoints/stories260K",
         "heldout": "tests/data/stories-heldout.txt",
         "bench": (480, 31),
+        "long": None,
         "specs": ["original", "mha", "gqa:2,method=mean", "gqa:2", "mqa,method=mean", "mqa",
                   "lowrank:64", "lowrank:32", "lowrank:16", "lowrank:16,method=svd",
                   "mla:16,rope=8", "gqa:2+heal", "mqa+heal", "lowrank:16+heal"],
@@ -83,24 +88,28 @@ def measure(binary, name, model, model_dir, specs, rounds):
             where, heal = healed(binary, model_dir, spec, name)
             run_spec = "original"
         if where is None:
-            rows[spec] = {"spec": spec, "error": heal, "eval": None, "decode_tokens_per_s": []}
+            rows[spec] = {"spec": spec, "error": heal, "eval": None, "decode_tokens_per_s": [],
+                          "long_decode_tokens_per_s": []}
             continue
         ev, err = run(binary, "eval", where, run_spec, "--file", model["heldout"])
         if ev is not None and heal is not None:
             for key in ("conversion_method", "conversion_secs", "heal_secs"):
                 ev[key] = heal[key]
         rows[spec] = {"spec": spec, "error": err, "eval": ev, "decode_tokens_per_s": [],
-                      "dir": where, "run_spec": run_spec}
-    prompt, new = model["bench"]
+                      "long_decode_tokens_per_s": [], "dir": where, "run_spec": run_spec}
+    lengths = [("decode_tokens_per_s", model["bench"])]
+    if model["long"]:
+        lengths.append(("long_decode_tokens_per_s", model["long"]))
     for _ in range(rounds):
-        for spec in specs:
-            if rows[spec]["error"] is None:
-                r, err = run(binary, "bench", rows[spec]["dir"], rows[spec]["run_spec"],
-                             "--prompt-tokens", str(prompt), "--new-tokens", str(new))
-                if err is not None:
-                    rows[spec]["error"] = err
-                else:
-                    rows[spec]["decode_tokens_per_s"].append(r["decode_tokens_per_s"])
+        for key, (prompt, new) in lengths:
+            for spec in specs:
+                if rows[spec]["error"] is None:
+                    r, err = run(binary, "bench", rows[spec]["dir"], rows[spec]["run_spec"],
+                                 "--prompt-tokens", str(prompt), "--new-tokens", str(new))
+                    if err is not None:
+                        rows[spec]["error"] = err
+                    else:
+                        rows[spec][key].append(r["decode_tokens_per_s"])
     return rows
 
 
@@ -110,25 +119,36 @@ def table(name, model, rows):
     base = rows["original"]
     base_kv = base["eval"]["kv_bytes_per_token"]
     base_nll = base["eval"]["mean_nll"]
-    base_speed = statistics.median(base["decode_tokens_per_s"])
     dtype = base["eval"]["dtype"]
+    long = model["long"]
+
+    def speed(r, key):
+        """Median decode tok/s and its ratio to the original's, as a cell."""
+        if not r[key]:
+            return "—"
+        s, b = statistics.median(r[key]), statistics.median(base[key])
+        return f"{s:.1f} ({s / b:.2f}×)"
+
+    long_head = f"decode tok/s at {long[0] + long[1]} (vs original) | " if long else ""
     lines = [f"| model | spec | method | KV bytes per token ({dtype}) | KV vs original | "
-             f"perplexity | ΔNLL (nats) | decode tok/s at {prompt + new} positions (vs original) "
-             f"| conversion (s) | of which healing (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"1 GB of KV holds: tokens / 4k sequences | perplexity | ΔNLL (nats) | "
+             f"decode tok/s at {prompt + new} positions (vs original) | {long_head}"
+             f"conversion (s) | of which healing (s) |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if long else "") + "---|---|"]
     for spec, r in rows.items():
         if r["error"] is not None:
             lines.append(f"| {name} | {spec} | not available: {r['error']} ||||||||")
             continue
         ev = r["eval"]
-        speed = statistics.median(r["decode_tokens_per_s"])
+        kv = ev["kv_bytes_per_token"]
         method = ev.get("conversion_method", "—")
         secs = f"{ev['conversion_secs']:.2f}" if "conversion_secs" in ev else "—"
         heal = f"{ev['heal_secs']:.2f}" if "heal_secs" in ev else "—"
-        lines.append(f"| {name} | {spec} | {method} | {ev['kv_bytes_per_token']:,} | "
-                     f"{ev['kv_bytes_per_token'] / base_kv:.3f} | {ev['perplexity']:.2f} | "
-                     f"{ev['mean_nll'] - base_nll:+.4f} | {speed:.1f} ({speed / base_speed:.2f}×) "
-                     f"| {secs} | {heal} |")
+        long_cell = f"{speed(r, 'long_decode_tokens_per_s')} | " if long else ""
+        lines.append(f"| {name} | {spec} | {method} | {kv:,} | {kv / base_kv:.3f} | "
+                     f"{10**9 // kv:,} / {10**9 // kv // 4096:,} | {ev['perplexity']:.2f} | "
+                     f"{ev['mean_nll'] - base_nll:+.4f} | {speed(r, 'decode_tokens_per_s')} | "
+                     f"{long_cell}{secs} | {heal} |")
     return "\n".join(lines)
 
 

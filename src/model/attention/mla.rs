@@ -4,12 +4,15 @@
 //! small RoPE key `k_pe` shared by all heads. The cache holds only `c_kv` and `k_pe`. With one
 //! new token the up-projection is folded into the query and the output ("absorbed"):
 //! `q_lat = q_nope · W_UK`, `scores = q_lat · Cᵀ + q_pe · K_peᵀ`, `o = (p · C) · W_UV`, so the
-//! per-head K and V are never built. A prompt takes the expanded form: up-project C into
-//! per-head K and V and run ordinary attention. The two are tested equal.
+//! per-head K and V are never built: all heads attend over the cached rows `[c_kv | k_pe]`
+//! as over one K/V head (the fused decode op of `sdpa`). A prompt takes the expanded form:
+//! up-project C into per-head K and V and run ordinary attention. The two are tested equal.
 //!
 //! `kv_b_proj` is split at load into its key rows W_UK and value rows W_UV, and only the
 //! halves are kept: both forms use them (two products up-project, where the checkpoint's
-//! matrix made one), so the layer holds each weight once.
+//! matrix made one), so the layer holds each weight once. Where it makes them no larger
+//! (MLA converted from GQA), the halves are instead folded into `q_proj` and `o_proj`
+//! ([`UpProj::Folded`]) and every span takes the absorbed form.
 
 use super::{join, sdpa, Span};
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
@@ -159,7 +162,7 @@ impl MlaAttention {
             .weight()
             .ok_or_else(|| Error::Msg("kv_b_proj is quantized".into()))?;
         // In the activations' dtype: candle's CPU matmul has no fast bf16 path, and these
-        // per-head products are small (SmolLM2 as mla:64 decode 62.8 -> ? tok/s).
+        // per-head products are small.
         let w = w
             .reshape((h, nope + v, r))?
             .to_dtype(activation_dtype(w.dtype(), w.device()))?;
