@@ -77,12 +77,15 @@ fn batched_greedy_ids_equal_each_sequence_alone() {
     for name in FIXTURES {
         check(name, &load_dir(&fixture_dir(name), DType::F32));
     }
-    // Converted checkpoints: low-rank K/V (latents cached, keys rebuilt per sequence), and
-    // MLA from GQA (two RoPE groups, no latent norm, absorbed decode per sequence).
+    // Converted checkpoints: low-rank K/V (latents cached, keys rebuilt per sequence), MLA
+    // from GQA in our layout (two RoPE groups, no latent norm, absorbed decode per
+    // sequence), and in DeepSeek's with kv_b_proj folded into q_proj and o_proj (rank 32 =
+    // head_dim: prompts take the absorbed form too).
     let source = tiny_decoder::loader::open("tiny-gqa").unwrap();
     for (spec, kind) in [
         ("lowrank:48,method=svd", "lowrank"),
         ("mla:48,rope=64,method=svd", "mla"),
+        ("mla:32,rope=32,method=svd", "mla"),
     ] {
         let req = tiny_decoder::convert::Request {
             spec: spec.parse().unwrap(),

@@ -414,6 +414,11 @@ fn info_eval_and_bench_report_the_converted_attention() {
     // Half the K/V heads: half the cache, and 2 of 4 layers' K/V rows fewer parameters.
     let kv = |v: &serde_json::Value| v["kv_bytes_per_token"].as_u64().unwrap();
     assert_eq!(2 * kv(&info), kv(&plain));
+    // What 1 GB of cache holds: twice the tokens, twice the 4k sequences.
+    for v in [&info, &plain] {
+        assert_eq!(v["kv_tokens_per_gb"], 1_000_000_000 / kv(v));
+        assert_eq!(v["kv_sequences_4k_per_gb"], 1_000_000_000 / kv(v) / 4096);
+    }
     let (h, d, layers) = (128u64, 32u64, 4u64);
     let params = |v: &serde_json::Value| v["num_parameters"].as_u64().unwrap();
     assert_eq!(params(&plain) - params(&info), layers * 2 * d * h);

@@ -144,15 +144,17 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// Replaces a row of raw scores s by `exp(s·scale − max)`; returns (max, Σ) where max is
 /// the largest `s·scale`.
 pub fn softmax_row(isa: Isa, row: &mut [f32], scale: f32) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
     match isa.kind() {
-        #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` of this kind exists only on a CPU with AVX-512.
-        IsaKind::Avx512 => unsafe { softmax_avx512(row, scale) },
-        #[cfg(target_arch = "x86_64")]
+        IsaKind::Avx512 => return unsafe { softmax_avx512(row, scale) },
         // SAFETY: as above, with AVX2 and FMA.
-        IsaKind::Avx2 => unsafe { softmax_avx2(row, scale) },
-        _ => softmax_plain(row, scale),
+        IsaKind::Avx2 => return unsafe { softmax_avx2(row, scale) },
+        _ => {}
     }
+    // Elsewhere (NEON is aarch64's baseline) the plain loop, vectorized as it is.
+    let _ = isa;
+    softmax_plain(row, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
