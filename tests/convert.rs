@@ -385,6 +385,46 @@ fn bad_attention_specs_say_what_would_work() {
         &["method=mean applies to", "svd or aware"],
     );
     fails_with(&info("sliding"), &["mha, mqa, gqa:G"]);
+    fails_with(
+        &info("mla:64,rope=64,layout=deepseek"),
+        &["one RoPE key head", "rope=32", "layout=ours"],
+    );
+    // What DeepSeek-V3's class cannot hold is refused, not dropped: a sliding window, MLP
+    // biases (the fixture with each edited in).
+    for (name, key, value, spec, what) in [
+        (
+            "mistral-gqa-headdim",
+            "sliding_window",
+            64,
+            "mla:32,rope=32",
+            "a sliding window",
+        ),
+        (
+            "llama-mha-tied",
+            "mlp_bias",
+            1,
+            "mla:32,rope=16",
+            "MLP biases",
+        ),
+    ] {
+        let value = match key {
+            "mlp_bias" => serde_json::json!(true),
+            _ => serde_json::json!(value),
+        };
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("mla-{key}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fixture = common::fixture_dir(name);
+        for f in ["model.safetensors", "tokenizer.json"] {
+            std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+        }
+        let config = std::fs::read_to_string(fixture.join("config.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
+        config[key] = value;
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let args = ["info", "-m", dir.to_str().unwrap(), "--attention", spec];
+        fails_with(&args, &[what, "layout=ours"]);
+    }
     let mla = ["info", "-m", "tiny-mla", "--attention", "mqa"];
     fails_with(&mla, &["MLA attention", "MHA/GQA/MQA checkpoints"]);
     let short = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("short-calibration.txt");

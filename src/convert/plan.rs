@@ -2,7 +2,7 @@
 //! build, or a one-line error that says what would work when it cannot apply.
 
 use super::spec::{bad, Layout, Method, MlaLayout, Spec};
-use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
+use crate::config::{AttentionConfig, MlaConfig, MlpConfig, ModelConfig};
 use crate::error::Result;
 
 /// A spec checked against one model: the K/V heads to build and the method that makes them.
@@ -102,7 +102,7 @@ impl Spec {
             }),
             Layout::Mla { rank, rope, layout } => {
                 mla_fits(self, cfg, num_kv_heads, head_dim, rope)?;
-                let layout = mla_layout(self, layout, head_dim, rope, qkv_bias || o_bias)?;
+                let layout = mla_layout(self, cfg, layout, head_dim, rope, qkv_bias || o_bias)?;
                 if layout == MlaLayout::Deepseek && rank < 2 {
                     return Err(bad(format!(
                         "{self}: DeepSeek's layout keeps an anchor channel in the latent, so \
@@ -192,6 +192,7 @@ impl Spec {
 /// (one RoPE head, W = head_dim), else ours; attention biases need DeepSeek's.
 fn mla_layout(
     spec: &Spec,
+    cfg: &ModelConfig,
     asked: Option<MlaLayout>,
     d: usize,
     w: usize,
@@ -206,6 +207,22 @@ fn mla_layout(
             "{spec}: DeepSeek's layout has one RoPE key head, so rope must be head_dim ({d}); \
              use rope={d}, or layout=ours for {} RoPE heads",
             w / d
+        )));
+    }
+    // What DeepSeek-V3's class has no place for must not be dropped silently.
+    let mlp_bias = cfg
+        .mlp
+        .iter()
+        .any(|m| matches!(m, MlpConfig::Dense { bias: true, .. }));
+    let window = cfg.sliding_window < cfg.max_position_embeddings;
+    if layout == MlaLayout::Deepseek && (mlp_bias || window) {
+        let what = match mlp_bias {
+            true => "MLP biases",
+            false => "a sliding window",
+        };
+        return Err(bad(format!(
+            "{spec}: DeepSeek-V3's layout has no {what}, which this model has; use \
+             layout=ours (rope={d}) or lowrank:R"
         )));
     }
     if layout == MlaLayout::Ours && bias {
