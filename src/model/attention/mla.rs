@@ -15,66 +15,17 @@
 //! ([`UpProj::Folded`]) and every span takes the absorbed form.
 
 use super::{join, sdpa, Span};
+
+mod forms;
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
 use crate::kv_cache::LayerCache;
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
-use crate::model::linear::{linear_b, linear_no_bias, matvec, Linear};
+use crate::model::linear::{linear_b, linear_no_bias, Linear};
 use crate::model::rope::Rotation;
 use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor, D};
 use candle_nn::{RmsNorm, VarBuilder};
-
-/// `q_proj` and `o_proj` with `kv_b_proj` folded in ([`UpProj::Folded`]), in q_proj's and
-/// o_proj's dtype: per head, the query's nope rows become `W_UKᵀ · W_q,nope` (r rows) beside
-/// its RoPE rows, and o_proj's columns of the head become `W_o,h · W_UV` (r columns).
-fn fold(
-    m: &MlaConfig,
-    h: usize,
-    (q_proj, o_proj): (&Linear, &Linear),
-    (w_uk, w_uv): (&Tensor, &Tensor),
-) -> Result<(Linear, Linear)> {
-    let (r, nope, rope, v) = (
-        m.kv_lora_rank,
-        m.qk_nope_head_dim,
-        m.qk_rope_head_dim,
-        m.v_head_dim,
-    );
-    let (Some(wq), Some(wo)) = (q_proj.weight(), o_proj.weight()) else {
-        return Err(Error::Msg(
-            "MLA: folding needs dense q_proj and o_proj".into(),
-        ));
-    };
-    let f64 = |t: &Tensor| t.to_dtype(candle_core::DType::F64);
-    let (uk, uv) = (f64(w_uk)?, f64(w_uv)?);
-    let c = wq.dim(1)?;
-    let wq = f64(wq)?.reshape((h, nope + rope, c))?;
-    // (H, r, nope) x (H, nope, C) -> (H, r, C), then each head's RoPE rows: (H·(r + rope), C)
-    let q_lat = uk
-        .transpose(1, 2)?
-        .contiguous()?
-        .matmul(&wq.narrow(1, 0, nope)?.contiguous()?)?;
-    let q = Tensor::cat(&[q_lat, wq.narrow(1, nope, rope)?], 1)?.reshape((h * (r + rope), c))?;
-    // (H, C, v) x (H, v, r) -> (H, C, r) -> (C, H·r)
-    let out = wo.dim(0)?;
-    let wo = f64(wo)?
-        .reshape((out, h, v))?
-        .transpose(0, 1)?
-        .contiguous()?;
-    let o = wo
-        .matmul(&uv)?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((out, h * r))?;
-    let dtype = |l: &Linear| {
-        l.weight()
-            .map(|w| w.dtype())
-            .unwrap_or(candle_core::DType::F32)
-    };
-    let q = Linear::new(q.to_dtype(dtype(q_proj))?, None);
-    let o = Linear::new(o.to_dtype(dtype(o_proj))?, o_proj.bias().cloned());
-    Ok((q, o))
-}
 
 /// The eps of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
 pub const LATENT_NORM_EPS: f64 = 1e-6;
@@ -171,7 +122,7 @@ impl MlaAttention {
         let o_proj = linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?;
         let (query, up, o_proj) = match (query, r <= nope && r <= v) {
             (QueryProj::Direct { q_proj }, true) if q_proj.weight().is_some() => {
-                let (q_proj, o_proj) = fold(m, h, (&q_proj, &o_proj), (&w_uk, &w_uv))?;
+                let (q_proj, o_proj) = forms::fold(m, h, (&q_proj, &o_proj), (&w_uk, &w_uv))?;
                 (QueryProj::Direct { q_proj }, UpProj::Folded, o_proj)
             }
             (query, _) => (query, UpProj::PerHead { w_uk, w_uv }, o_proj),
@@ -210,7 +161,7 @@ impl MlaAttention {
 
     /// x: (1, N, C), the packed tokens of `spans` (see [`Span`]). A span of one new token
     /// takes the absorbed form, a prompt chunk the expanded one (the absorbed one too with
-    /// [`UpProj::Folded`]). With a [`LayerCache::Kv`] (see [`crate::KvCache::expanded`]) the
+    /// `kv_b_proj` folded). With a [`LayerCache::Kv`] (see [`crate::KvCache::expanded`]) the
     /// up-projected K/V are cached.
     pub fn forward(
         &self,
@@ -317,85 +268,5 @@ impl MlaAttention {
                 sdpa(&q_full()?, &k, &v, m.softmax_scale, mask)
             }
         }
-    }
-
-    /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).
-    fn up_project(&self, c_kv: &Tensor, k_pe: &Tensor) -> Result<(Tensor, Tensor)> {
-        let UpProj::PerHead { w_uk, w_uv } = &self.up else {
-            return Err(Error::Msg(
-                "MLA: kv_b_proj is folded into q_proj and o_proj; no per-head K/V to cache".into(),
-            ));
-        };
-        let m = &self.cfg;
-        let (b, _, s, r) = c_kv.dims4()?;
-        let h = self.num_heads;
-        let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
-        // All heads in one product each, the halves seen as (H·width, r) matrices:
-        // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
-        let c_kv = c_kv.squeeze(1)?;
-        let up = |w: &Tensor, width: usize| -> Result<Tensor> {
-            let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
-            y.reshape((b, s, h, width))?.transpose(1, 2)
-        };
-        let k_nope = up(w_uk, nope)?;
-        let v = up(w_uv, v)?.contiguous()?;
-        let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
-        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
-        Ok((k, v))
-    }
-
-    /// Attend over the latents as one shared K/V head (like MQA): the keys are the cached rows
-    /// `[c_kv | k_pe]` (1, 1, S, r + rope), the values their first r columns (a view), and
-    /// each query head is `[q_nope · W_UK, q_pe]`. One new token without a mask runs in the
-    /// fused decode op of [`sdpa`], which reads each cached row once for all heads.
-    fn absorbed(
-        &self,
-        q_nope: &Tensor,
-        q_pe: &Tensor,
-        rows: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let m = &self.cfg;
-        let (b, h, t, _) = q_nope.dims4()?;
-        let r = m.kv_lora_rank;
-        let act = q_nope.dtype();
-        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
-        let q_lat = match &self.up {
-            UpProj::Folded => q_nope.clone(),
-            UpProj::PerHead { w_uk, .. } => {
-                let q_nope = q_nope
-                    .to_dtype(w_uk.dtype())?
-                    .transpose(0, 1)?
-                    .contiguous()?
-                    .reshape((h, b * t, m.qk_nope_head_dim))?;
-                let q_lat = q_nope.matmul(w_uk)?.to_dtype(act)?;
-                q_lat.reshape((h, b, t, r))?.transpose(0, 1)? // (B, H, T, r)
-            }
-        };
-        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
-        let fused = t == 1 && mask.is_none() && super::decode::takes(rows);
-        let v = match fused {
-            true => rows.narrow(D::Minus1, 0, r)?,
-            false => rows.narrow(D::Minus1, 0, r)?.contiguous()?,
-        };
-        let rows = match fused {
-            true => rows.clone(),
-            false => rows.to_dtype(act)?,
-        };
-        let v = v.to_dtype(rows.dtype())?;
-        let o_lat = sdpa(&q, &rows, &v, m.softmax_scale, mask)?; // (B, H, T, r)
-        let UpProj::PerHead { w_uv, .. } = &self.up else {
-            return o_lat.to_dtype(act); // o_proj reads the latent outputs
-        };
-        // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
-        let o_lat = o_lat
-            .to_dtype(w_uv.dtype())?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((h, b * t, r))?;
-        let o = o_lat.matmul(&w_uv.transpose(1, 2)?)?;
-        o.reshape((h, b, t, m.v_head_dim))?
-            .transpose(0, 1)? // (B, H, T, v)
-            .to_dtype(act)
     }
 }

@@ -1,0 +1,143 @@
+//! The two forms of MLA attention over the latent cache, and the fold that lets the
+//! absorbed one run without per-head products ([`UpProj::Folded`]): `up_project` builds
+//! per-head K and V (the expanded form, for prompts), `absorbed` attends over the cached
+//! rows as one K/V head.
+
+use super::{MlaAttention, UpProj};
+use crate::config::MlaConfig;
+use crate::model::attention::sdpa;
+use crate::model::linear::{matvec, Linear};
+use candle_core::{Error, Result, Tensor, D};
+
+/// `q_proj` and `o_proj` with `kv_b_proj` folded in ([`UpProj::Folded`]), in q_proj's and
+/// o_proj's dtype: per head, the query's nope rows become `W_UKᵀ · W_q,nope` (r rows) beside
+/// its RoPE rows, and o_proj's columns of the head become `W_o,h · W_UV` (r columns).
+pub(super) fn fold(
+    m: &MlaConfig,
+    h: usize,
+    (q_proj, o_proj): (&Linear, &Linear),
+    (w_uk, w_uv): (&Tensor, &Tensor),
+) -> Result<(Linear, Linear)> {
+    let (r, nope, rope, v) = (
+        m.kv_lora_rank,
+        m.qk_nope_head_dim,
+        m.qk_rope_head_dim,
+        m.v_head_dim,
+    );
+    let (Some(wq), Some(wo)) = (q_proj.weight(), o_proj.weight()) else {
+        return Err(Error::Msg(
+            "MLA: folding needs dense q_proj and o_proj".into(),
+        ));
+    };
+    let f64 = |t: &Tensor| t.to_dtype(candle_core::DType::F64);
+    let (uk, uv) = (f64(w_uk)?, f64(w_uv)?);
+    let c = wq.dim(1)?;
+    let wq = f64(wq)?.reshape((h, nope + rope, c))?;
+    // (H, r, nope) x (H, nope, C) -> (H, r, C), then each head's RoPE rows: (H·(r + rope), C)
+    let q_lat = uk
+        .transpose(1, 2)?
+        .contiguous()?
+        .matmul(&wq.narrow(1, 0, nope)?.contiguous()?)?;
+    let q = Tensor::cat(&[q_lat, wq.narrow(1, nope, rope)?], 1)?.reshape((h * (r + rope), c))?;
+    // (H, C, v) x (H, v, r) -> (H, C, r) -> (C, H·r)
+    let out = wo.dim(0)?;
+    let wo = f64(wo)?
+        .reshape((out, h, v))?
+        .transpose(0, 1)?
+        .contiguous()?;
+    let o = wo
+        .matmul(&uv)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((out, h * r))?;
+    let dtype = |l: &Linear| {
+        l.weight()
+            .map(|w| w.dtype())
+            .unwrap_or(candle_core::DType::F32)
+    };
+    let q = Linear::new(q.to_dtype(dtype(q_proj))?, None);
+    let o = Linear::new(o.to_dtype(dtype(o_proj))?, o_proj.bias().cloned());
+    Ok((q, o))
+}
+
+impl MlaAttention {
+    /// Per-head K = [C·W_UKᵀ, k_pe] (B, H, S, nope + rope) and V = C·W_UVᵀ (B, H, S, v).
+    pub(super) fn up_project(&self, c_kv: &Tensor, k_pe: &Tensor) -> Result<(Tensor, Tensor)> {
+        let UpProj::PerHead { w_uk, w_uv } = &self.up else {
+            return Err(Error::Msg(
+                "MLA: kv_b_proj is folded into q_proj and o_proj; no per-head K/V to cache".into(),
+            ));
+        };
+        let m = &self.cfg;
+        let (b, _, s, r) = c_kv.dims4()?;
+        let h = self.num_heads;
+        let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
+        // All heads in one product each, the halves seen as (H·width, r) matrices:
+        // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
+        let c_kv = c_kv.squeeze(1)?;
+        let up = |w: &Tensor, width: usize| -> Result<Tensor> {
+            let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
+            y.reshape((b, s, h, width))?.transpose(1, 2)
+        };
+        let k_nope = up(w_uk, nope)?;
+        let v = up(w_uv, v)?.contiguous()?;
+        let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
+        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
+        Ok((k, v))
+    }
+
+    /// Attend over the latents as one shared K/V head (like MQA): the keys are the cached rows
+    /// `[c_kv | k_pe]` (1, 1, S, r + rope), the values their first r columns (a view), and
+    /// each query head is `[q_nope · W_UK, q_pe]`. One new token without a mask runs in the
+    /// fused decode op of [`sdpa`], which reads each cached row once for all heads.
+    pub(super) fn absorbed(
+        &self,
+        q_nope: &Tensor,
+        q_pe: &Tensor,
+        rows: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let m = &self.cfg;
+        let (b, h, t, _) = q_nope.dims4()?;
+        let r = m.kv_lora_rank;
+        let act = q_nope.dtype();
+        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
+        let q_lat = match &self.up {
+            UpProj::Folded => q_nope.clone(),
+            UpProj::PerHead { w_uk, .. } => {
+                let q_nope = q_nope
+                    .to_dtype(w_uk.dtype())?
+                    .transpose(0, 1)?
+                    .contiguous()?
+                    .reshape((h, b * t, m.qk_nope_head_dim))?;
+                let q_lat = q_nope.matmul(w_uk)?.to_dtype(act)?;
+                q_lat.reshape((h, b, t, r))?.transpose(0, 1)? // (B, H, T, r)
+            }
+        };
+        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
+        let fused = t == 1 && mask.is_none() && crate::model::attention::decode::takes(rows);
+        let v = match fused {
+            true => rows.narrow(D::Minus1, 0, r)?,
+            false => rows.narrow(D::Minus1, 0, r)?.contiguous()?,
+        };
+        let rows = match fused {
+            true => rows.clone(),
+            false => rows.to_dtype(act)?,
+        };
+        let v = v.to_dtype(rows.dtype())?;
+        let o_lat = sdpa(&q, &rows, &v, m.softmax_scale, mask)?; // (B, H, T, r)
+        let UpProj::PerHead { w_uv, .. } = &self.up else {
+            return o_lat.to_dtype(act); // o_proj reads the latent outputs
+        };
+        // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
+        let o_lat = o_lat
+            .to_dtype(w_uv.dtype())?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((h, b * t, r))?;
+        let o = o_lat.matmul(&w_uv.transpose(1, 2)?)?;
+        o.reshape((h, b, t, m.v_head_dim))?
+            .transpose(0, 1)? // (B, H, T, v)
+            .to_dtype(act)
+    }
+}
