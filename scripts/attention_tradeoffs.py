@@ -137,7 +137,8 @@ def table(name, model, rows):
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if long else "") + "---|---|"]
     for spec, r in rows.items():
         if r["error"] is not None:
-            lines.append(f"| {name} | {spec} | not available: {r['error']} ||||||||")
+            empty = "|" * (8 if long else 7)
+            lines.append(f"| {name} | {spec} | not available: {r['error']} {empty}|")
             continue
         ev = r["eval"]
         kv = ev["kv_bytes_per_token"]

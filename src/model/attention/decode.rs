@@ -141,13 +141,13 @@ fn attend<T: Cached>(
     let dv = vl.dims()[3];
     let (hg, blocks, isa) = (h / g, s.div_ceil(BLOCK), Isa::current());
     let mut heads = Vec::with_capacity(b * g);
-    let mut vs = dv;
+    // The step between rows of v: one layout, the same for every head.
+    let (_, vs) = head_offset(vl, 0, 0, "v", true)?;
     for bi in 0..b {
         for gi in 0..g {
             let (ko, _) = head_offset(kl, bi, gi, "k", false)?;
-            let (vo, step) = head_offset(vl, bi, gi, "v", true)?;
+            let (vo, _) = head_offset(vl, bi, gi, "v", true)?;
             let q0 = (bi * h + gi * hg) * dk;
-            vs = step;
             heads.push((
                 &q[q0..q0 + hg * dk],
                 &k[ko..ko + s * dk],

@@ -5,7 +5,7 @@
 
 use super::{MlaAttention, UpProj};
 use crate::config::MlaConfig;
-use crate::model::attention::sdpa;
+use crate::model::attention::{decode, sdpa};
 use crate::model::linear::{matvec, Linear};
 use candle_core::{Error, Result, Tensor, D};
 
@@ -115,16 +115,16 @@ impl MlaAttention {
             }
         };
         let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
-        let fused = t == 1 && mask.is_none() && crate::model::attention::decode::takes(rows);
-        let v = match fused {
-            true => rows.narrow(D::Minus1, 0, r)?,
-            false => rows.narrow(D::Minus1, 0, r)?.contiguous()?,
+                                                                          // One new token: the fused op reads the values as a view of the rows. Otherwise
+                                                                          // candle's ops, in the activations' dtype, on contiguous values.
+        let (rows, v) = match t == 1 && mask.is_none() && decode::takes(rows) {
+            true => (rows.clone(), rows.narrow(D::Minus1, 0, r)?),
+            false => {
+                let rows = rows.to_dtype(act)?;
+                let v = rows.narrow(D::Minus1, 0, r)?.contiguous()?;
+                (rows, v)
+            }
         };
-        let rows = match fused {
-            true => rows.clone(),
-            false => rows.to_dtype(act)?,
-        };
-        let v = v.to_dtype(rows.dtype())?;
         let o_lat = sdpa(&q, &rows, &v, m.softmax_scale, mask)?; // (B, H, T, r)
         let UpProj::PerHead { w_uv, .. } = &self.up else {
             return o_lat.to_dtype(act); // o_proj reads the latent outputs
