@@ -549,3 +549,54 @@ fn probe_decode_attention() -> candle_core::Result<()> {
     }
     Ok(())
 }
+
+/// Prompt-sized products with block-format weights: our integer tile (`QWeight::product`)
+/// against dequantize-into-`gemm` (`prefill::product`), per format, at SmolLM2-135M's MLP
+/// shapes and 8 to 512 rows of x; the best of 7 in GMAC/s.
+/// `cargo test --release --test kernel probe_blocks_prefill -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn probe_blocks_prefill() -> candle_core::Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use tiny_decoder::model::linear::quant::{Format, QWeight};
+    let dev = Device::Cpu;
+    let formats = [
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q5_0, GgmlDType::Q5_0),
+        (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
+    ];
+    for (format, ggml) in formats {
+        for (n, k) in [(1536usize, 576usize), (576, 1536)] {
+            if !k.is_multiple_of(format.block_weights()) {
+                continue;
+            }
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+            let bytes = QTensor::quantize(&w, ggml)?.data()?.into_owned();
+            let q = QWeight::from_ggml(format, n, k, &bytes).expect("blocks of the shape");
+            for m in [8, 32, 64, 128, 256, 512] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?
+                    .to_vec2::<f32>()?
+                    .concat();
+                let mut y = vec![0f32; m * n];
+                let mut best = [f64::MAX; 2];
+                for _ in 0..7 {
+                    let t = std::time::Instant::now();
+                    q.product(&x, &mut y);
+                    best[0] = best[0].min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    prefill::product(&x, k, Weights::Blocks(&q), &mut y);
+                    best[1] = best[1].min(t.elapsed().as_secs_f64());
+                }
+                let mac = (m * n * k) as f64 / 1e9;
+                println!(
+                    "{format:?} {n}x{k} m={m}: tile {:.1}, gemm {:.1} GMAC/s",
+                    mac / best[0],
+                    mac / best[1]
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -103,3 +103,43 @@ fn from_ggml_refuses_sizes_that_overflow() {
     q.product(&[1.0; 32], &mut y);
     assert_eq!(y, [0.0; 4]);
 }
+
+/// More rows of x than the tile takes at once (`x_block_rows`): every block of rows, the
+/// last one ragged, equals the same rows multiplied one at a time, in every format (the
+/// K-quants from candle's port of ggml's quantizers).
+#[test]
+fn many_rows_in_blocks_equal_rows_one_at_a_time() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    let (rows, cols) = (9, 512);
+    let m = 2 * x_block_rows(cols) + 3;
+    let w = data(rows * cols, 4);
+    let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+    let x = data(m * cols, 5);
+    for (format, ggml) in [
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q5_1, GgmlDType::Q5_1),
+        (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
+    ] {
+        let bytes = QTensor::quantize(&t, ggml)
+            .unwrap()
+            .data()
+            .unwrap()
+            .into_owned();
+        let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+        let mut all = vec![f32::NAN; m * rows];
+        q.product(&x, &mut all);
+        for (i, (x, got)) in x.chunks(cols).zip(all.chunks(rows)).enumerate() {
+            let mut want = vec![0f32; rows];
+            q.product(x, &mut want);
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                    "{format:?} row {i} of {m}, column {r}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}

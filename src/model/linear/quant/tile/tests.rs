@@ -40,7 +40,8 @@ fn every_tile_kernel_equals_the_dequantized_product() {
     let isa = Isa::current().kind();
     let mut kernels: Vec<(&str, Kernel)> = Vec::new();
     if matches!(isa, IsaKind::Avx2 | IsaKind::Avx512) {
-        kernels.push(("avx2", x86::rows::<2, 4>));
+        kernels.push(("avx2 3x4", x86::rows::<3, 4>));
+        kernels.push(("avx2 4x3", x86::rows::<4, 3>));
     }
     if isa == IsaKind::Avx512 {
         kernels.push(("avx512", x86::rows_512::<4, 4>));
