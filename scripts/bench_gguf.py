@@ -2,7 +2,7 @@
 """tiny-decoder against llama.cpp on GGUF files as given: decode and prefill, alternating rounds.
 
 For each file, rounds alternate the two engines (order swapped every round) because the machine
-is shared; each engine runs with 2 threads, one fresh process per run:
+is shared; each engine runs with 2 threads (--threads N), one fresh process per run:
   ours:      $TINY_DECODER_BIN bench -m FILE --prompt-tokens 64 --new-tokens 32 --json  (decode,
              prefill 64) and --prompt-tokens 512 --new-tokens 0 (prefill 512); RAYON_NUM_THREADS=2
   llama.cpp: llama-bench -m FILE -t 2 -p 64,512 -n 32 -r 1 -o json
@@ -25,8 +25,11 @@ DEFAULT = [f"target/models/kquants/smollm2-135m-instruct-{t}.gguf"
            for t in ["Q8_0", "Q4_1", "Q5_0", "Q4_K_M", "Q5_K_M", "Q6_K"]]
 
 
+THREADS = "2"
+
+
 def ours(path, prompt, new):
-    env = dict(os.environ, RAYON_NUM_THREADS="2")
+    env = dict(os.environ, RAYON_NUM_THREADS=THREADS)
     out = subprocess.run([BIN, "bench", "-m", path, "--prompt-tokens", str(prompt),
                           "--new-tokens", str(new), "--json"],
                          capture_output=True, text=True, env=env, check=True)
@@ -34,7 +37,7 @@ def ours(path, prompt, new):
 
 
 def llama(path):
-    out = subprocess.run([LLAMA, "-m", path, "-t", "2", "-p", "64,512", "-n", "32", "-r", "1",
+    out = subprocess.run([LLAMA, "-m", path, "-t", THREADS, "-p", "64,512", "-n", "32", "-r", "1",
                           "-o", "json"], capture_output=True, text=True, check=True)
     return {(f"pp{e['n_prompt']}" if e["n_prompt"] else "tg"): e["avg_ts"]
             for e in json.loads(out.stdout)}
@@ -43,8 +46,11 @@ def llama(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="each engine's threads")
     ap.add_argument("files", nargs="*", default=DEFAULT)
     args = ap.parse_args()
+    global THREADS
+    THREADS = str(args.threads)
     print("| file | decode, ours / llama.cpp | prefill 64 | prefill 512 | our peak RSS / file |")
     print("|---|---|---|---|---|")
     for path in args.files:

@@ -230,6 +230,12 @@ pub fn blocks_product(q: &QWeight, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Rows of x up to which candle's quantized product runs its vector kernel.
+const CANDLE_VEC_ROWS: usize = 8;
+/// The narrowest weight rows candle's quantized matrix kernel (past [`CANDLE_VEC_ROWS`])
+/// is given: see `forward`.
+const CANDLE_MMQ_MIN_K: usize = 256;
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
@@ -256,17 +262,25 @@ impl Module for Linear {
             // take f32 rows, and on CUDA the product it falls back to, for shapes its fast
             // kernels do not take, reads only f32 in (M, K) or (B, M, K).
             Weight::Quantized(q) => {
-                let (n, _) = q.shape().dims2()?;
+                let (n, k) = q.shape().dims2()?;
                 let mut dims = x.dims().to_vec();
                 if let Some(last) = dims.last_mut() {
                     *last = n;
                 }
-                x.flatten_to(D::Minus2)? // (rows, K)
+                let x2 = x
+                    .flatten_to(D::Minus2)?
                     .to_dtype(DType::F32)?
-                    .contiguous()?
-                    .apply_op1_no_bwd(q.as_ref())?
-                    .to_dtype(x.dtype())?
-                    .reshape(dims)?
+                    .contiguous()?; // (rows, K)
+                let y = match x2.dim(0)? > CANDLE_VEC_ROWS && k < CANDLE_MMQ_MIN_K {
+                    // candle 0.11's CUDA MMQ kernel (more than 8 rows) returned NaN for
+                    // narrow rows on an H200 (2026-11-26): a Q8_0 weight 64 wide, and a
+                    // Q4_0 model whose only product through it was 128 wide (a random
+                    // 64 x 128 Q4_0 weight was right); 576 and 1536 wide were right. The
+                    // weight is dequantized instead.
+                    true => x2.matmul(&q.dequantize(x.device())?.t()?)?,
+                    false => x2.apply_op1_no_bwd(q.as_ref())?,
+                };
+                y.to_dtype(x.dtype())?.reshape(dims)?
             }
         };
         match &self.bias {

@@ -82,7 +82,9 @@ impl MlaAttention {
         let k_nope = up(w_uk, nope)?;
         let v = up(w_uv, v)?.contiguous()?;
         let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
-        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?;
+        // Contiguous: candle's cat of views along the last dim returns a strided view that
+        // its CUDA matmul refuses ("matmul is only supported for contiguous tensors").
+        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?.contiguous()?;
         Ok((k, v))
     }
 
