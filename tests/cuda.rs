@@ -45,6 +45,13 @@ fn relative_error(a: &Tensor, b: &Tensor) -> f32 {
     (diff / norm).sqrt()
 }
 
+/// `w` as a linear layer in blocks of `q`: ours on CPU, candle's `QTensor` elsewhere.
+fn quantized(w: &Tensor, q: GgmlDType) -> Linear {
+    let mut l = Linear::new(w.clone(), None);
+    assert!(l.quantize(&q).unwrap(), "{q:?}: not quantized");
+    l
+}
+
 #[test]
 fn every_fixture_gives_the_same_logits_and_greedy_ids_on_cuda() {
     let Some(gpu) = cuda() else { return };
@@ -101,12 +108,7 @@ fn quantized_products_agree_on_cpu_and_cuda_at_model_shapes() {
     for (n, k) in [(128, 64), (64, 128), (1536, 576), (576, 1536)] {
         let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
         for q in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
-            let quantized = |w: &Tensor| {
-                let mut l = Linear::new(w.clone(), None);
-                assert!(l.quantize(&q).unwrap(), "{q:?}: not quantized");
-                l
-            };
-            let (cpu_l, gpu_l) = (quantized(&w), quantized(&w.to_device(&gpu).unwrap()));
+            let (cpu_l, gpu_l) = (quantized(&w, q), quantized(&w.to_device(&gpu).unwrap(), q));
             for rows in [1, 7, 9, 19, 64] {
                 let x = Tensor::randn(0f32, 1.0, (1, rows, k), &Device::Cpu).unwrap();
                 let cpu = cpu_l.forward(&x).unwrap();
@@ -143,13 +145,8 @@ fn linear_products_agree_on_cpu_and_cuda() {
         }
         // Quantized: our blocks on CPU, candle's QTensor on CUDA, the same weights.
         for q in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
-            let quantized = |w: &Tensor| {
-                let mut l = Linear::new(w.clone(), None);
-                assert!(l.quantize(&q).unwrap(), "{q:?}: not quantized");
-                l
-            };
-            let cpu = quantized(&w).forward(&x).unwrap();
-            let on_gpu = quantized(&w.to_device(&gpu).unwrap());
+            let cpu = quantized(&w, q).forward(&x).unwrap();
+            let on_gpu = quantized(&w.to_device(&gpu).unwrap(), q);
             let err = relative_error(&on_gpu.forward(&xg).unwrap(), &cpu);
             assert!(err < 0.02, "{rows} rows, {q:?}: CUDA product off by {err}");
             let err = relative_error(

@@ -291,8 +291,8 @@ impl QWeight {
         if m >= 2 && tile::available() {
             let rows =
                 (self.rows.div_ceil(pool.threads() * 4).max(1)).next_multiple_of(tile::tile_rows());
-            // A block of x rows at a time, each through every weight row: see `x_block_rows`.
-            let block = x_block_rows(self.cols);
+            // A block of x rows at a time, each through every weight row.
+            let block = tile::x_block_rows(self.cols);
             let blocks = x
                 .chunks(block * self.cols)
                 .zip(y.chunks_mut(block * self.rows));
@@ -336,18 +336,6 @@ impl QWeight {
             }
         });
     }
-}
-
-/// Bytes of 8-bit x that the tile kernels take at once (see [`x_block_rows`]).
-const X_BLOCK_BYTES: usize = 64 << 10;
-
-/// Rows of x that the tile kernels take at once for a weight of `cols` columns: every tile
-/// of weight rows goes over all of them, so they must stay in the near caches (8-bit x of
-/// about 64 KiB). On Zen 3, one thread, a 576 × 1536 Q4_K or Q6_K product of 512 rows of x
-/// ran at 38-40 GMAC/s in blocks of 256 rows and 42-44 in blocks of 113 (this size), as
-/// fast as at 128 rows; 32 KiB and 128 KiB measured the same within noise.
-fn x_block_rows(cols: usize) -> usize {
-    (X_BLOCK_BYTES / cols).clamp(4, 256).next_multiple_of(4)
 }
 
 /// `y`'s base pointer, shared by chunks that write disjoint columns.

@@ -112,7 +112,7 @@ fn many_rows_in_blocks_equal_rows_one_at_a_time() {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
     let (rows, cols) = (9, 512);
-    let m = 2 * x_block_rows(cols) + 3;
+    let m = 2 * tile::x_block_rows(cols) + 3;
     let w = data(rows * cols, 4);
     let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
     let x = data(m * cols, 5);
