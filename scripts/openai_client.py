@@ -118,6 +118,52 @@ def check_chat(binary, srv, model_dir):
     expect_same(text, finish, chunks[-1].usage, g)
 
 
+def check_logprobs(srv):
+    """Greedy `logprobs` equal log_softmax of transformers' logits on the same weights at
+    the ids it picks (ours and its greedy ids agree on tiny-gqa); chat's alternatives are
+    the most likely tokens, the chosen one first."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        ROOT / "models" / MODEL, dtype=torch.float32)
+    prompt = [1, 47, 8, 120, 33, 9, 64]
+    ids = torch.tensor([prompt])
+    want = []
+    with torch.no_grad():
+        for _ in range(10):
+            lp = torch.log_softmax(model(ids).logits[0, -1].double(), -1)
+            nxt = int(lp.argmax())
+            want.append(float(lp[nxt]))
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    r = srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                        temperature=0, logprobs=3,
+                                        extra_body={"ignore_eos": True})
+    got = r.choices[0].logprobs.token_logprobs
+    assert len(got) == 10 and all(abs(a - b) < 1e-3 for a, b in zip(got, want)), (got, want)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "models" / MODEL /
+                                                                  "tokenizer.json"))
+    assert r.choices[0].text == tok.decode(ids[0, len(prompt):]), r.choices[0].text
+
+
+def check_chat_logprobs(srv, model_dir):
+    c = srv.client()
+    messages = [{"role": "user", "content": "What light through yonder window breaks?"}]
+    r = c.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=12,
+                                  temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens, content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token, t
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token, t
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    stream = c.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=12,
+                                       temperature=0, logprobs=True, top_logprobs=3,
+                                       stream=True)
+    streamed = [t for ch in stream if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+
+
 def check_concurrent(binary, srv):
     lines = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed",
              "KING RICHARD II:", "To be, or not", "MENENIUS:\nWhat work's, my countrymen",
@@ -214,6 +260,8 @@ def main():
             checks = [
                 ("completions", lambda: check_completions(binary, srv)),
                 ("chat", lambda: check_chat(binary, chat_srv, model_dir)),
+                ("logprobs", lambda: check_logprobs(srv)),
+                ("chat logprobs", lambda: check_chat_logprobs(chat_srv, model_dir)),
                 ("16 concurrent", lambda: check_concurrent(binary, srv)),
                 ("disconnect", lambda: check_disconnect(srv)),
                 ("full queue", lambda: check_full_queue(binary)),

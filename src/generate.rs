@@ -140,6 +140,9 @@ pub struct Options<'a> {
     pub interrupt: Option<&'a AtomicBool>,
     /// Generate past the model's EOS ids, up to `max_new_tokens` (the server's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Keep each generated token's log-probability and this many most likely alternatives
+    /// ([`Sequence::logprobs`]); `None`: none (no cost).
+    pub logprobs: Option<usize>,
 }
 
 impl Options<'_> {
@@ -149,6 +152,7 @@ impl Options<'_> {
             stop: &[],
             interrupt: None,
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }

@@ -12,10 +12,12 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::borrow::Cow;
 
 pub mod defaults;
+mod logprobs;
 mod softmax;
 pub use defaults::Requested;
+pub use logprobs::TokenLogprob;
 pub use softmax::softmax;
-use softmax::{max_of, sum_of};
+use softmax::{exps, max_of, sum_of};
 
 /// How the next token is picked; temperature 0 is `Greedy`, decided once.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,15 +102,7 @@ impl Sampler {
 
     /// Picks the next token from `logits` (one per vocabulary entry) given the sequence so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        // Copy the logits only when the penalty has to change them.
-        let logits: Cow<[f32]> = match self.repeat_penalty {
-            1.0 => Cow::Borrowed(logits),
-            penalty => {
-                let mut owned = logits.to_vec();
-                apply_repeat_penalty(&mut owned, history, penalty);
-                Cow::Owned(owned)
-            }
-        };
+        let logits = self.penalised(logits, history);
         match self.sampling {
             Sampling::Greedy => argmax(&logits),
             Sampling::Random {
@@ -128,6 +122,29 @@ impl Sampler {
                         walk(&nucleus(&probs, (u + 1e-4).min(1.0), 0.0), u)
                     }
                 }
+            }
+        }
+    }
+
+    /// The log-probability of `id`, and the `top` most likely tokens with theirs, in the
+    /// distribution [`Sampler::sample`] draws from before its filters: after the repetition
+    /// penalty and the temperature (1 for greedy), as OpenAI's `logprobs` report it.
+    pub fn logprobs(&self, logits: &[f32], history: &[u32], id: u32, top: usize) -> TokenLogprob {
+        let temperature = match self.sampling {
+            Sampling::Greedy => 1.0,
+            Sampling::Random { temperature, .. } => temperature,
+        };
+        logprobs::token_logprob(&self.penalised(logits, history), temperature, id, top)
+    }
+
+    /// The logits after the repetition penalty, copied only when the penalty changes them.
+    fn penalised<'l>(&self, logits: &'l [f32], history: &[u32]) -> Cow<'l, [f32]> {
+        match self.repeat_penalty {
+            1.0 => Cow::Borrowed(logits),
+            penalty => {
+                let mut owned = logits.to_vec();
+                apply_repeat_penalty(&mut owned, history, penalty);
+                Cow::Owned(owned)
             }
         }
     }

@@ -96,6 +96,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
             stop: &a.stop,
             interrupt: Some(&INTERRUPTED),
             ignore_eos: false,
+            logprobs: None,
         };
         let json_mode = a.json;
         let turn = chat.turn(&line, opts, &mut sampler, |text| {

@@ -71,6 +71,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
         stop: &a.stop,
         interrupt: Some(&INTERRUPTED),
         ignore_eos: false,
+        logprobs: None,
     };
     let mut seqs = caches
         .iter_mut()

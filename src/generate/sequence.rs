@@ -7,7 +7,7 @@ use super::{stop, Generation, Options, StopReason, StopStrings, TokenStream};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, TokenLogprob};
 use std::borrow::BorrowMut;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -56,6 +56,10 @@ pub struct Sequence<'a, C = &'a mut KvCache, S = &'a mut Sampler> {
     max_new_tokens: usize,
     /// Generate past the model's EOS ids, up to `max_new_tokens`.
     ignore_eos: bool,
+    /// Alternatives to keep with each token's log-probability; `None`: keep none.
+    top_logprobs: Option<usize>,
+    /// One per generated token while `top_logprobs` is set.
+    logprobs: Vec<TokenLogprob>,
     eos: Vec<u32>,
     /// Text that ends the sequence (never shown, nor anything after it).
     stop_list: Vec<String>,
@@ -129,6 +133,8 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
             sampler,
             max_new_tokens: opts.max_new_tokens,
             ignore_eos: opts.ignore_eos,
+            top_logprobs: opts.logprobs,
+            logprobs: Vec::new(),
             eos: model.config().eos_token_ids.clone(),
             stop_list: opts
                 .stop
@@ -184,6 +190,11 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
         if !self.ignore_eos && self.eos.contains(&next) {
             return self.end(StopReason::Eos, on_text);
         }
+        if let Some(top) = self.top_logprobs {
+            let sampler = self.sampler.borrow();
+            let scored = sampler.logprobs(logits, &self.history, next, top);
+            self.logprobs.push(scored);
+        }
         self.history.push(next);
         if let Some(text) = self.stream.push(next)? {
             let (shown, stopped) = self.stops.push(&text);
@@ -219,6 +230,21 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
     /// The ids generated so far, the EOS id excluded.
     pub fn generated(&self) -> &[u32] {
         &self.history[self.prompt_len..]
+    }
+
+    /// Each generated token's log-probability (with the options' `logprobs`), in order.
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// Whether the options asked for log-probabilities.
+    pub fn reports_logprobs(&self) -> bool {
+        self.top_logprobs.is_some()
+    }
+
+    /// The prompt and the tokens sampled so far; the cache holds the first `cache.len()`.
+    pub fn history(&self) -> &[u32] {
+        &self.history
     }
 
     pub fn prompt_len(&self) -> usize {

@@ -43,7 +43,7 @@ fn fold_lanes(
 
 /// `out[i] = e^((logits[i] - max) / temperature)`, compiled for the baseline (SSE2, 4 lanes)
 /// and for AVX2 (8 lanes, twice as fast here), picked at run time. Same results from both.
-fn exps(logits: &[f32], max: f32, temperature: f32, out: &mut [f32]) {
+pub(super) fn exps(logits: &[f32], max: f32, temperature: f32, out: &mut [f32]) {
     #[inline(always)]
     fn run(logits: &[f32], max: f32, temperature: f32, out: &mut [f32]) {
         for (o, &l) in out.iter_mut().zip(logits) {

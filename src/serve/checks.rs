@@ -3,13 +3,47 @@
 //! completion, and sampling values in range.
 
 use super::error::ApiError;
-use super::openai::Params;
+use super::openai::{Params, Unhonoured};
 use crate::config::GenerationConfig;
 use crate::sampling::{Requested, Sampler};
 
 /// Most stop strings a request may send (OpenAI allows 4), and their longest.
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
+/// Most alternatives a request may ask for with each token (OpenAI's `top_logprobs` bound).
+const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Chat's `logprobs` and `top_logprobs` as the number of alternatives to report with each
+/// token (`None`: no log-probabilities).
+pub fn chat_logprobs(
+    logprobs: Option<bool>,
+    top: Option<usize>,
+) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(top_bound("top_logprobs", n)),
+        (false, Some(_)) => Err(ApiError::bad_field(
+            "top_logprobs",
+            "top_logprobs requires logprobs to be true",
+        )),
+        (false, None) => Ok(None),
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+    }
+}
+
+/// `/v1/completions`' `logprobs`: the number of alternatives to report with each token.
+pub fn completion_logprobs(logprobs: Option<usize>) -> Result<Option<usize>, ApiError> {
+    match logprobs {
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(top_bound("logprobs", n)),
+        n => Ok(n),
+    }
+}
+
+fn top_bound(field: &'static str, n: usize) -> ApiError {
+    ApiError::bad_field(
+        field,
+        format!("{field} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+    )
+}
 
 /// The checks a request's fields pass before it is queued (each failure a 400 naming the
 /// field).
@@ -23,6 +57,7 @@ impl Params {
         generation: &GenerationConfig,
     ) -> Result<(usize, Sampler), ApiError> {
         let p = self;
+        p.unhonoured.check()?;
         if p.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_field(
                 "n",
@@ -99,5 +134,47 @@ impl Params {
         };
         Sampler::new(&requested.resolve(generation))
             .map_err(|e| ApiError::bad_request(e.to_string()))
+    }
+}
+
+impl Unhonoured {
+    /// Each field at its neutral value (or absent) passes; anything else is a 400 naming it.
+    fn check(&self) -> Result<(), ApiError> {
+        let u = self;
+        let neutral_type = |v: &serde_json::Value| v["type"] == "text";
+        let tool_choice = |v: &serde_json::Value| v == "none" || v == "auto";
+        let refused = [
+            (
+                "frequency_penalty",
+                u.frequency_penalty.is_some_and(|v| v != 0.0),
+            ),
+            (
+                "presence_penalty",
+                u.presence_penalty.is_some_and(|v| v != 0.0),
+            ),
+            (
+                "logit_bias",
+                u.logit_bias.as_ref().is_some_and(|m| !m.is_empty()),
+            ),
+            (
+                "response_format",
+                u.response_format.as_ref().is_some_and(|v| !neutral_type(v)),
+            ),
+            ("tools", u.tools.as_ref().is_some_and(|t| !t.is_empty())),
+            (
+                "tool_choice",
+                u.tool_choice.as_ref().is_some_and(|v| !tool_choice(v)),
+            ),
+            ("echo", u.echo == Some(true)),
+            ("best_of", u.best_of.is_some_and(|n| n != 1)),
+            ("suffix", u.suffix.as_ref().is_some_and(|s| !s.is_empty())),
+        ];
+        match refused.into_iter().find(|(_, refused)| *refused) {
+            Some((field, _)) => Err(ApiError::bad_field(
+                field,
+                format!("{field} is not supported by this server: leave it out"),
+            )),
+            None => Ok(()),
+        }
     }
 }

@@ -10,6 +10,7 @@ mod checks;
 mod error;
 mod fault;
 mod http;
+mod logprobs;
 mod openai;
 mod queue;
 mod request;

@@ -3,6 +3,7 @@
 //! and (in `error`) its error body; `checks` holds what a request's fields must satisfy.
 
 use super::error::ApiError;
+use super::logprobs::{self, Logprobs};
 use super::request::Finish;
 use crate::generate::StopReason;
 use serde::Deserialize;
@@ -30,6 +31,24 @@ pub struct Params {
     pub n: Option<usize>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Fields OpenAI defines that this server does not honour: accepted at their neutral
+    /// values, a 400 naming them otherwise (`checks`), never silently ignored.
+    #[serde(flatten)]
+    pub unhonoured: Unhonoured,
+}
+
+/// OpenAI's fields this server cannot honour (yet), as sent.
+#[derive(Debug, Default, Deserialize)]
+pub struct Unhonoured {
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub echo: Option<bool>,
+    pub best_of: Option<usize>,
+    pub suffix: Option<String>,
 }
 
 impl Params {
@@ -74,6 +93,8 @@ pub struct StreamOptions {
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    /// Report this many most likely tokens (0-20) with each token's log-probability.
+    pub logprobs: Option<usize>,
     #[serde(flatten)]
     pub params: Params,
 }
@@ -90,6 +111,9 @@ pub enum Prompt {
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    /// Report each token's log-probability, with `top_logprobs` (0-20) alternatives.
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<usize>,
     #[serde(flatten)]
     pub params: Params,
 }
@@ -165,28 +189,47 @@ impl Reply {
     /// The whole reply of a request without `stream`.
     pub fn whole(&self, f: &Finish) -> Value {
         let reason = finish_reason(f.reason);
+        let lp = self.logprobs(f.logprobs.as_deref(), 0);
         let choice = match self.chat {
             true => json!({"index": 0, "message": {"role": "assistant", "content": f.text},
-                           "logprobs": null, "finish_reason": reason}),
-            false => json!({"index": 0, "text": f.text, "logprobs": null, "finish_reason": reason}),
+                           "logprobs": lp, "finish_reason": reason}),
+            false => json!({"index": 0, "text": f.text, "logprobs": lp, "finish_reason": reason}),
         };
         json!({"id": self.id, "object": self.object(false), "created": self.created,
                "model": self.model, "choices": [choice], "usage": usage(f)})
     }
 
-    /// One chunk of a stream: `text` so far unsent (for chat, `None` with no reason is the
-    /// opening chunk that names the role), and the finish reason in the last one.
-    pub fn chunk(&self, text: Option<&str>, reason: Option<&str>, with_usage: bool) -> Value {
+    /// `logprobs` in this endpoint's shape, `null` when not asked for; `offset`: the
+    /// completion's characters before these tokens.
+    fn logprobs(&self, tokens: Option<&[Logprobs]>, offset: usize) -> Value {
+        match (tokens, self.chat) {
+            (None, _) => Value::Null,
+            (Some(t), true) => logprobs::chat(t),
+            (Some(t), false) => logprobs::completion(t, offset),
+        }
+    }
+
+    /// One chunk of a stream: `text` so far unsent with its tokens' log-probabilities (for
+    /// chat, `None` with no reason is the opening chunk that names the role), and the finish
+    /// reason in the last one. `offset`: the completion's characters sent before.
+    pub fn chunk(
+        &self,
+        text: Option<(&str, Option<&[Logprobs]>)>,
+        offset: usize,
+        reason: Option<&str>,
+        with_usage: bool,
+    ) -> Value {
+        let lp = self.logprobs(text.and_then(|t| t.1), offset);
         let choice = match self.chat {
             true => {
                 let delta = match (text, reason) {
-                    (Some(t), _) => json!({"content": t}),
+                    (Some((t, _)), _) => json!({"content": t}),
                     (None, None) => json!({"role": "assistant", "content": ""}),
                     (None, Some(_)) => json!({}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
+                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason})
             }
-            false => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null,
+            false => json!({"index": 0, "text": text.map_or("", |t| t.0), "logprobs": lp,
                             "finish_reason": reason}),
         };
         let mut chunk = json!({"id": self.id, "object": self.object(true),

@@ -3,6 +3,7 @@
 //! [`generate::Sequence`] that owns one of the scheduler's caches, plus the channel its text
 //! goes out on. The sequence decides when it ends, as in `generate`; this file only reports.
 
+use super::logprobs::Logprobs;
 use crate::generate::{self, Options, StopReason};
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
@@ -21,6 +22,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past the model's EOS ids, up to `max_tokens`.
     pub ignore_eos: bool,
+    /// Report each token's log-probability with this many alternatives (`logprobs`).
+    pub logprobs: Option<usize>,
     pub sampler: Sampler,
     /// Where the request's text and end go; dropped by the handler when its client leaves.
     pub events: UnboundedSender<Event>,
@@ -39,8 +42,9 @@ impl Job {
 pub enum Event {
     /// The request took a cache and joins the batch at the next step.
     Admitted,
-    /// Text that became complete (none of it part of a stop string).
-    Text(String),
+    /// Text that became complete (none of it part of a stop string), and the
+    /// log-probabilities of the tokens sampled since the last piece (when asked).
+    Text(Piece),
     /// The end, with the whole text and the counts.
     Done(Finish),
     /// The request failed: its step did, or the scheduler (a 500).
@@ -51,6 +55,13 @@ pub enum Event {
     Cancelled,
 }
 
+/// What one step adds to a stream.
+#[derive(Debug, Clone)]
+pub struct Piece {
+    pub text: String,
+    pub logprobs: Option<Vec<Logprobs>>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Finish {
     pub reason: StopReason,
@@ -59,12 +70,17 @@ pub struct Finish {
     pub prompt_tokens: usize,
     /// Tokens generated, the EOS id excluded.
     pub completion_tokens: usize,
+    /// One per generated token, when the request asked.
+    pub logprobs: Option<Vec<Logprobs>>,
 }
 
 /// A request while it runs in the scheduler.
 pub struct Request<'t> {
     pub seq: generate::Sequence<'t, KvCache, Sampler>,
     events: UnboundedSender<Event>,
+    tokenizer: &'t Tokenizer,
+    /// Log-probabilities already sent in a [`Piece`].
+    logprobs_sent: usize,
     /// Set when its text could not be decoded: a 500 for this request alone.
     failure: Option<String>,
     started: Instant,
@@ -89,6 +105,7 @@ impl<'t> Request<'t> {
             stop: &job.stop,
             interrupt: None,
             ignore_eos: job.ignore_eos,
+            logprobs: job.logprobs,
         };
         let seq =
             generate::Sequence::start(model, tokenizer, cache, &job.prompt, opts, job.sampler);
@@ -96,6 +113,8 @@ impl<'t> Request<'t> {
         Ok(Self {
             seq,
             events: job.events,
+            tokenizer,
+            logprobs_sent: 0,
             failure: None,
             started: Instant::now(),
         })
@@ -113,16 +132,28 @@ impl<'t> Request<'t> {
 
     /// Takes the logits of the step that fed it: samples, streams, and maybe ends.
     pub fn accept(&mut self, logits: &[f32]) {
-        let events = &self.events;
-        let mut send = |text: &str| {
-            if !text.is_empty() {
-                // A closed receiver is noticed at the next step.
-                let _ = events.send(Event::Text(text.to_string()));
-            }
-        };
-        if let Err(e) = self.seq.accept(logits, &mut send) {
+        let mut text = String::new();
+        if let Err(e) = self.seq.accept(logits, &mut |t: &str| text.push_str(t)) {
             self.failure = Some(e.to_string());
+            return;
         }
+        let logprobs = self.logprobs_from(self.logprobs_sent);
+        self.logprobs_sent = self.seq.logprobs().len();
+        if !text.is_empty() || logprobs.as_ref().is_some_and(|l| !l.is_empty()) {
+            // A closed receiver is noticed at the next step.
+            let _ = self.events.send(Event::Text(Piece { text, logprobs }));
+        }
+    }
+
+    /// The log-probabilities of the generated tokens from `start` on, when asked for.
+    fn logprobs_from(&self, start: usize) -> Option<Vec<Logprobs>> {
+        let all = self.seq.logprobs();
+        self.seq.reports_logprobs().then(|| {
+            let new = all.get(start..).unwrap_or_default();
+            new.iter()
+                .map(|l| Logprobs::new(self.tokenizer, l))
+                .collect()
+        })
     }
 
     /// Sends the end of the request (the final reply, or its error); returns the cache for
@@ -152,6 +183,7 @@ impl<'t> Request<'t> {
                     text: g.text,
                     prompt_tokens: g.prompt_token_ids.len(),
                     completion_tokens: g.token_ids.len(),
+                    logprobs: self.logprobs_from(0),
                 };
                 eprintln!(
                     "request: {} prompt + {} completion tokens ({}) in {:.2} s",

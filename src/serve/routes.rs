@@ -3,6 +3,7 @@
 //! sampling as `generate` does, check that it fits the context (400), queue it (429 when
 //! full), then reply whole or as a stream.
 
+use super::checks;
 use super::error::{ApiError, SHUTDOWN, STOPPED};
 use super::openai::{ChatRequest, CompletionRequest, Params, Prompt, Reply};
 use super::queue::{Queue, Refused, Stats};
@@ -142,6 +143,7 @@ fn check_model(s: &Served, p: &Params) -> Result<(), ApiError> {
 async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
     let req: CompletionRequest = parse(&body)?;
     check_model(&s, &req.params)?;
+    let logprobs = checks::completion_logprobs(req.logprobs)?;
     let encode = |text: &str| {
         let text = text.to_string();
         off_workers(&s, move |s| {
@@ -162,12 +164,13 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
         }
         Prompt::Ids(ids) => ids.clone(),
     };
-    respond(&s, prompt, &req.params, false).await
+    respond(&s, prompt, &req.params, logprobs, false).await
 }
 
 async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
     let req: ChatRequest = parse(&body)?;
     check_model(&s, &req.params)?;
+    let logprobs = checks::chat_logprobs(req.logprobs, req.top_logprobs)?;
     if s.template.is_none() {
         let m = format!(
             "{} has no chat template (chat_template.jinja or tokenizer_config.json): \
@@ -197,7 +200,7 @@ async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
         s.tokenizer.encode_plain(&text).map_err(bad)
     })
     .await?;
-    respond(&s, prompt, &req.params, true).await
+    respond(&s, prompt, &req.params, logprobs, true).await
 }
 
 /// Runs `work` (templating, tokenizing: CPU-bound for a long prompt) on tokio's blocking
@@ -213,7 +216,13 @@ async fn off_workers<T: Send + 'static>(
 }
 
 /// Queues the request and replies: the whole text, or a stream of it.
-async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer {
+async fn respond(
+    s: &Served,
+    prompt: Vec<u32>,
+    p: &Params,
+    logprobs: Option<usize>,
+    chat: bool,
+) -> Answer {
     // Ids sent as such, or a tokenizer's added tokens past the model's embedding rows: an
     // id the model has no row for fails this request, not the batch step it would join.
     if let Some(id) = prompt.iter().find(|&&id| id as usize >= s.vocab_size) {
@@ -230,6 +239,7 @@ async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, chat: bool) -> Answer
         max_tokens,
         stop: p.stops(),
         ignore_eos: p.ignore_eos.unwrap_or(false),
+        logprobs,
         sampler,
         events,
         queued: Instant::now(),

@@ -30,6 +30,7 @@ pub fn response(
         timeout,
         opened: false,
         ended: false,
+        sent: 0,
     };
     let headers = [
         (CONTENT_TYPE, "text/event-stream"),
@@ -49,6 +50,8 @@ struct Chunks {
     opened: bool,
     /// Whether `[DONE]` was sent.
     ended: bool,
+    /// Characters of completion text sent (the completions' `text_offset`).
+    sent: usize,
 }
 
 fn data(v: &Value) -> String {
@@ -62,10 +65,20 @@ impl Chunks {
     fn bytes(&mut self, event: Option<Event>) -> String {
         let usage = self.include_usage;
         let end = match event {
-            Some(Event::Text(t)) => return data(&self.reply.chunk(Some(&t), None, usage)),
+            Some(Event::Text(p)) => {
+                let text = Some((p.text.as_str(), p.logprobs.as_deref()));
+                let chunk = self.reply.chunk(text, self.sent, None, usage);
+                self.sent += p
+                    .logprobs
+                    .iter()
+                    .flatten()
+                    .map(|l| l.chosen.token.chars().count())
+                    .sum::<usize>();
+                return data(&chunk);
+            }
             Some(Event::Done(f)) => {
                 let reason = finish_reason(f.reason);
-                let mut out = data(&self.reply.chunk(None, Some(reason), usage));
+                let mut out = data(&self.reply.chunk(None, self.sent, Some(reason), usage));
                 if usage {
                     out += &data(&self.reply.usage_chunk(&f));
                 }
@@ -92,7 +105,7 @@ impl Stream for Chunks {
         }
         if this.reply.chat && !this.opened {
             this.opened = true;
-            let opening = data(&this.reply.chunk(None, None, this.include_usage));
+            let opening = data(&this.reply.chunk(None, 0, None, this.include_usage));
             return Poll::Ready(Some(Ok(opening.into())));
         }
         let event = ready!(this.events.poll_recv(cx));

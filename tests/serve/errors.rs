@@ -42,10 +42,32 @@ fn bad_requests_answer_400_404_and_the_server_keeps_serving() {
             404,
             "does not exist",
         ),
+        // OpenAI's fields the server does not honour: a 400 naming them, not ignored.
+        (
+            r#"{"prompt": "a", "frequency_penalty": 0.5}"#,
+            400,
+            "frequency_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "presence_penalty": 1}"#,
+            400,
+            "presence_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "logit_bias": {"5": 10}}"#,
+            400,
+            "logit_bias",
+        ),
+        (r#"{"prompt": "a", "echo": true}"#, 400, "echo"),
+        (r#"{"prompt": "a", "best_of": 3}"#, 400, "best_of"),
+        (r#"{"prompt": "a", "suffix": "end"}"#, 400, "suffix"),
     ];
     for (body, want, says) in cases {
         let (status, e) = error(&server, c, body, None);
         assert_eq!(status, want, "{body}: {e}");
+        if body.contains("_penalty\"") || body.contains("\"echo") || body.contains("best_of") {
+            assert_eq!(e["param"].as_str(), Some(says), "{body}: {e}");
+        }
         assert!(e["message"].as_str().unwrap().contains(says), "{body}: {e}");
     }
     // Stop strings are matched at every token on the scheduler thread: bounded.

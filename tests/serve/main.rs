@@ -6,6 +6,7 @@
 
 mod fuzz;
 mod harness;
+mod logprobs;
 
 use harness::{finish_reason, generate, streamed_text, Server};
 use serde_json::{json, Value};
@@ -123,7 +124,7 @@ fn completions_whole_and_streamed_equal_generate() {
         (200, &json!("stop"))
     );
     assert_eq!(reply["choices"][0]["text"], gs["text"], "{reply}");
-    // Unknown fields are ignored, as OpenAI ignores them.
+    // Unknown fields are ignored, as OpenAI ignores them; its own at their neutral values.
     let body = json!({"prompt": prompt, "max_tokens": 3, "user": "me", "frequency_penalty": 0});
     assert_eq!(server.post("/v1/completions", &body).0, 200);
 }
