@@ -161,7 +161,27 @@ def check_chat_logprobs(srv, model_dir):
                                        stream=True)
     streamed = [t for ch in stream if ch.choices and ch.choices[0].logprobs
                 for t in ch.choices[0].logprobs.content]
-    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    # The second request reuses the first's cached prompt: equal within rounding.
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+
+
+def check_prefix(srv, model_dir):
+    """A conversation's next turn reuses the cache of the turn before (cached_tokens in
+    usage, as OpenAI reports it) and answers as without it (`cache_prompt: false`)."""
+    c = srv.client()
+    messages = [{"role": "user", "content": "What light through yonder window breaks?"}]
+    r = c.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=10,
+                                  temperature=0)
+    messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    cached = c.chat.completions.create(model=model_dir.name, messages=messages,
+                                       max_tokens=10, temperature=0)
+    fresh = c.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=10,
+                                      temperature=0, extra_body={"cache_prompt": False})
+    assert cached.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens, cached.usage
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+    assert cached.choices[0].message.content == fresh.choices[0].message.content
 
 
 def check_concurrent(binary, srv):
@@ -262,6 +282,7 @@ def main():
                 ("chat", lambda: check_chat(binary, chat_srv, model_dir)),
                 ("logprobs", lambda: check_logprobs(srv)),
                 ("chat logprobs", lambda: check_chat_logprobs(chat_srv, model_dir)),
+                ("prefix reuse", lambda: check_prefix(chat_srv, model_dir)),
                 ("16 concurrent", lambda: check_concurrent(binary, srv)),
                 ("disconnect", lambda: check_disconnect(srv)),
                 ("full queue", lambda: check_full_queue(binary)),

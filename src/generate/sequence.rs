@@ -247,6 +247,11 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
         &self.history
     }
 
+    /// Leading prompt tokens the cache held when the sequence began (not prefilled).
+    pub fn reused(&self) -> usize {
+        self.reused
+    }
+
     pub fn prompt_len(&self) -> usize {
         self.prompt_len
     }

@@ -11,11 +11,13 @@ mod error;
 mod fault;
 mod http;
 mod logprobs;
+mod metrics;
 mod openai;
 mod queue;
 mod request;
 mod routes;
 mod scheduler;
+mod slots;
 mod sse;
 
 pub use http::Limits;
@@ -27,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::loader::TextTokenizer;
 use crate::model::Transformer;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,6 +85,9 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
     );
     let cancel = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(queue::Stats::default());
+    stats.caches.store(opts.max_batch, Ordering::Relaxed);
+    stats.caches_free.store(opts.max_batch, Ordering::Relaxed);
+    stats.cache_bytes.store(bytes, Ordering::Relaxed);
     let tokenizer = Arc::new(m.tokenizer.inner().clone());
     let settings = scheduler::Settings {
         max_queue: opts.max_queue,

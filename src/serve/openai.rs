@@ -25,6 +25,9 @@ pub struct Params {
     pub repeat_penalty: Option<f32>,
     /// vLLM's and llama-server's: keep generating past EOS ids (for benchmarks).
     pub ignore_eos: Option<bool>,
+    /// llama-server's: `false` prefills the whole prompt even when a free cache holds its
+    /// beginning (for comparisons); default true.
+    pub cache_prompt: Option<bool>,
     pub stop: Option<Stop>,
     /// OpenAI's seed is any integer; a negative one is used as its two's complement.
     pub seed: Option<i64>,
@@ -251,5 +254,6 @@ impl Reply {
 
 fn usage(f: &Finish) -> Value {
     json!({"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-           "total_tokens": f.prompt_tokens + f.completion_tokens})
+           "total_tokens": f.prompt_tokens + f.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": f.cached_tokens}})
 }

@@ -2,6 +2,7 @@
 //! waiting, at most `--max-queue` of them (one more is refused, and answered 429), and the
 //! counters `/health` reports.
 
+use super::metrics::Metrics;
 use super::request::Job;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
@@ -20,6 +21,12 @@ pub struct Stats {
     pub restarts: AtomicUsize,
     /// False once the scheduler thread has ended: `/health` then answers 503.
     pub alive: AtomicBool,
+    /// Caches free after the last turn, of `caches` (`--max-batch`) of `cache_bytes` in all.
+    pub caches_free: AtomicUsize,
+    pub caches: AtomicUsize,
+    pub cache_bytes: AtomicUsize,
+    /// What `/metrics` reports besides the above.
+    pub metrics: Metrics,
 }
 
 impl Default for Stats {
@@ -30,6 +37,10 @@ impl Default for Stats {
             largest_batch: AtomicUsize::new(0),
             restarts: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
+            caches_free: AtomicUsize::new(0),
+            caches: AtomicUsize::new(0),
+            cache_bytes: AtomicUsize::new(0),
+            metrics: Metrics::default(),
         }
     }
 }
@@ -56,12 +67,15 @@ impl Queue {
     pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
         let waiting = &self.stats.waiting;
         let room = |n: usize| (n < self.capacity).then_some(n + 1);
+        let metrics = &self.stats.metrics;
         if waiting
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, room)
             .is_err()
         {
+            metrics.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(Refused::Full);
         }
+        metrics.received.fetch_add(1, Ordering::Relaxed);
         self.jobs.send(job).map_err(|_| {
             waiting.fetch_sub(1, Ordering::AcqRel);
             Refused::Stopped

@@ -4,10 +4,15 @@
 //! goes out on. The sequence decides when it ends, as in `generate`; this file only reports.
 
 use super::logprobs::Logprobs;
+use super::metrics::Ended;
+use super::queue::Stats;
+use super::slots::Slots;
 use crate::generate::{self, Options, StopReason};
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
@@ -22,6 +27,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past the model's EOS ids, up to `max_tokens`.
     pub ignore_eos: bool,
+    /// Start from the longest prefix of the prompt a free cache holds (else from nothing).
+    pub cache_prompt: bool,
     /// Report each token's log-probability with this many alternatives (`logprobs`).
     pub logprobs: Option<usize>,
     pub sampler: Sampler,
@@ -70,6 +77,8 @@ pub struct Finish {
     pub prompt_tokens: usize,
     /// Tokens generated, the EOS id excluded.
     pub completion_tokens: usize,
+    /// Leading prompt tokens that were in the cache already (not prefilled again).
+    pub cached_tokens: usize,
     /// One per generated token, when the request asked.
     pub logprobs: Option<Vec<Logprobs>>,
 }
@@ -83,19 +92,25 @@ pub struct Request<'t> {
     logprobs_sent: usize,
     /// Set when its text could not be decoded: a 500 for this request alone.
     failure: Option<String>,
+    /// When it was queued and when it started, for the log and `/metrics`.
+    queued: Instant,
     started: Instant,
+    /// When its last token was sampled (`None` before the first).
+    last_token: Option<Instant>,
+    stats: Arc<Stats>,
 }
 
 impl<'t> Request<'t> {
-    /// Starts `job` in `cache` (reset first); gives the cache back when the prompt does not
-    /// fit it (the handler checked, so this is a guard), having answered the request.
+    /// Starts `job` in `cache`, which holds a prefix of its prompt (or nothing); gives the
+    /// cache back when the prompt does not fit it (the handler checked, so this is a guard),
+    /// having answered the request.
     pub fn start(
         job: Job,
-        mut cache: KvCache,
+        cache: KvCache,
         model: &Transformer,
         tokenizer: &'t Tokenizer,
+        stats: Arc<Stats>,
     ) -> Result<Self, KvCache> {
-        cache.reset();
         if let Err(e) = generate::check_fits(model, cache.capacity(), job.prompt.len()) {
             let _ = job.events.send(Event::Failed(e.to_string()));
             return Err(cache);
@@ -116,7 +131,10 @@ impl<'t> Request<'t> {
             tokenizer,
             logprobs_sent: 0,
             failure: None,
+            queued: job.queued,
             started: Instant::now(),
+            last_token: None,
+            stats,
         })
     }
 
@@ -133,9 +151,18 @@ impl<'t> Request<'t> {
     /// Takes the logits of the step that fed it: samples, streams, and maybe ends.
     pub fn accept(&mut self, logits: &[f32]) {
         let mut text = String::new();
+        let before = self.seq.generated().len();
         if let Err(e) = self.seq.accept(logits, &mut |t: &str| text.push_str(t)) {
             self.failure = Some(e.to_string());
             return;
+        }
+        if self.seq.generated().len() > before {
+            let (now, metrics) = (Instant::now(), &self.stats.metrics);
+            match self.last_token {
+                None => metrics.ttft.observe((now - self.queued).as_secs_f64()),
+                Some(last) => metrics.per_token.observe((now - last).as_secs_f64()),
+            }
+            self.last_token = Some(now);
         }
         let logprobs = self.logprobs_from(self.logprobs_sent);
         self.logprobs_sent = self.seq.logprobs().len();
@@ -156,15 +183,17 @@ impl<'t> Request<'t> {
         })
     }
 
-    /// Sends the end of the request (the final reply, or its error); returns the cache for
-    /// reuse. A request that has not ended lost its client, or the shutdown cancelled it.
-    pub fn end(self) -> KvCache {
+    /// Sends the end of the request (the final reply, or its error) and gives its cache
+    /// back with what it holds. A request that has not ended lost its client, or the
+    /// shutdown cancelled it.
+    pub fn end(self, slots: &mut Slots) {
         if let Some(m) = &self.failure {
             let m = m.clone();
-            return self.fail(&m);
+            return self.fail(&m, slots);
         }
         if !self.seq.ended() {
             if self.abandoned() {
+                self.count(Ended::Abandoned);
                 eprintln!(
                     "request: the client went away after {} prompt + {} completion tokens: \
                      dropped, its cache is free",
@@ -172,9 +201,10 @@ impl<'t> Request<'t> {
                     self.seq.generated().len()
                 );
             } else {
+                self.count(Ended::Cancelled);
                 let _ = self.events.send(Event::Cancelled);
             }
-            return self.seq.into_cache();
+            return self.give_back(slots);
         }
         match self.seq.generation() {
             Ok(g) => {
@@ -183,6 +213,7 @@ impl<'t> Request<'t> {
                     text: g.text,
                     prompt_tokens: g.prompt_token_ids.len(),
                     completion_tokens: g.token_ids.len(),
+                    cached_tokens: g.reused_tokens,
                     logprobs: self.logprobs_from(0),
                 };
                 eprintln!(
@@ -192,19 +223,44 @@ impl<'t> Request<'t> {
                     finish.reason.as_str(),
                     self.started.elapsed().as_secs_f64()
                 );
+                self.count(match finish.reason {
+                    StopReason::Length | StopReason::Context => Ended::Length,
+                    _ => Ended::Stop,
+                });
                 let _ = self.events.send(Event::Done(finish));
             }
             Err(e) => {
+                self.count(Ended::Error);
                 let _ = self.events.send(Event::Failed(e.to_string()));
             }
         }
-        self.seq.into_cache()
+        self.give_back(slots)
     }
 
-    /// Ends the request with an error (500 before a stream starts, an error event in one);
-    /// returns the cache for reuse.
-    pub fn fail(self, message: &str) -> KvCache {
+    /// Counts the request out in `/metrics`: how it ended, its tokens, its duration.
+    fn count(&self, how: Ended) {
+        let m = &self.stats.metrics;
+        m.finished(how);
+        let add =
+            |c: &std::sync::atomic::AtomicU64, n: usize| c.fetch_add(n as u64, Ordering::Relaxed);
+        add(&m.prompt_tokens, self.seq.prompt_len());
+        add(&m.cached_tokens, self.seq.reused());
+        add(&m.generation_tokens, self.seq.generated().len());
+        m.request.observe(self.queued.elapsed().as_secs_f64());
+    }
+
+    /// Gives the cache back with the tokens it holds, for a later prompt that begins with
+    /// them.
+    fn give_back(self, slots: &mut Slots) {
+        let ids = self.seq.history().to_vec();
+        slots.give_back(self.seq.into_cache(), Some(&ids));
+    }
+
+    /// Ends the request with an error (500 before a stream starts, an error event in one)
+    /// and gives its cache back emptied: after a failed step its contents are not trusted.
+    pub fn fail(self, message: &str, slots: &mut Slots) {
+        self.count(Ended::Error);
         let _ = self.events.send(Event::Failed(message.to_string()));
-        self.seq.into_cache()
+        slots.give_back(self.seq.into_cache(), None);
     }
 }

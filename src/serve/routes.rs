@@ -5,6 +5,7 @@
 
 use super::checks;
 use super::error::{ApiError, SHUTDOWN, STOPPED};
+use super::metrics::Gauges;
 use super::openai::{ChatRequest, CompletionRequest, Params, Prompt, Reply};
 use super::queue::{Queue, Refused, Stats};
 use super::request::{Event, Job};
@@ -58,6 +59,7 @@ pub fn router(served: Shared) -> Router {
         .route_layer(middleware::from_fn_with_state(served.clone(), auth));
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .merge(v1)
         .fallback(not_found)
         .with_state(served)
@@ -85,6 +87,20 @@ async fn health(State(s): State<Shared>) -> (StatusCode, Json<Value>) {
         false => StatusCode::SERVICE_UNAVAILABLE,
     };
     (status, body)
+}
+
+/// Prometheus' text format; like `/health`, open without the API key (as vLLM's).
+async fn metrics(State(s): State<Shared>) -> Response {
+    let st = &s.stats;
+    let gauges = Gauges {
+        running: st.running.load(Ordering::Relaxed),
+        waiting: st.waiting.load(Ordering::Relaxed),
+        caches_free: st.caches_free.load(Ordering::Relaxed),
+        caches: st.caches.load(Ordering::Relaxed),
+        cache_bytes: st.cache_bytes.load(Ordering::Relaxed),
+    };
+    let body = st.metrics.render(&gauges);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
 fn model_object(s: &Served) -> Value {
@@ -239,6 +255,7 @@ async fn respond(
         max_tokens,
         stop: p.stops(),
         ignore_eos: p.ignore_eos.unwrap_or(false),
+        cache_prompt: p.cache_prompt.unwrap_or(true),
         logprobs,
         sampler,
         events,

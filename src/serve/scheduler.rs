@@ -13,8 +13,10 @@
 //! forever. `queue` holds the sending end; `fault` injects panics for the tests.
 
 use super::fault;
+use super::metrics::Ended;
 use super::queue::{Queue, Stats};
 use super::request::{Event, Job, Request};
+use super::slots::Slots;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
@@ -78,7 +80,7 @@ pub fn spawn(
 /// and those that wait for one. Kept outside each turn so that a panic loses none of them.
 struct Batch<'t> {
     running: Vec<Request<'t>>,
-    free: Vec<KvCache>,
+    free: Slots,
     waiting: VecDeque<Job>,
     /// Caches the pool holds in all (`--max-batch`), each of `context` positions.
     slots: usize,
@@ -104,9 +106,12 @@ fn supervise(
         running: Vec::with_capacity(caches.len()),
         slots: caches.len(),
         context: caches.first().map_or(0, KvCache::capacity),
-        free: caches,
+        free: Slots::default(),
         waiting: VecDeque::new(),
     };
+    for cache in caches {
+        batch.free.give_back(cache, None);
+    }
     let mut fault = fault::Injector::from_env();
     loop {
         let turn = catch_unwind(AssertUnwindSafe(|| {
@@ -137,12 +142,12 @@ impl Batch<'_> {
     fn recover(&mut self, model: &Transformer) -> usize {
         let failed = self.running.len();
         for req in self.running.drain(..) {
-            self.free.push(req.fail(PANICKED));
+            req.fail(PANICKED, &mut self.free);
         }
         let (cfg, dtype, device) = (model.config(), model.dtype(), model.device());
         while self.free.len() < self.slots {
             match KvCache::new(cfg, self.context, dtype, device) {
-                Ok(cache) => self.free.push(cache),
+                Ok(cache) => self.free.give_back(cache, None),
                 Err(e) => {
                     eprintln!("scheduler: cannot replace a lost cache: {e}");
                     break;
@@ -174,51 +179,66 @@ fn turn<'t>(
     b.waiting.extend(inbox.try_iter());
     // 2. Waiting requests that lost their client, waited too long, or meet the shutdown.
     let cancelled = s.cancel.load(Ordering::Relaxed);
+    let metrics = &s.stats.metrics;
     b.waiting.retain(|job| {
-        let reply = if cancelled {
-            Event::Cancelled
+        let (reply, ended) = if cancelled {
+            (Event::Cancelled, Ended::Cancelled)
         } else if job.abandoned() {
+            metrics.finished(Ended::Abandoned);
             return false_after(waiting);
         } else if job.queued.elapsed() > s.request_timeout {
-            Event::TimedOut
+            (Event::TimedOut, Ended::TimedOut)
         } else {
             return true;
         };
+        metrics.finished(ended);
         let _ = job.events.send(reply);
         false_after(waiting)
     });
-    // 3. Join: waiting requests take free caches, first come first served.
+    // 3. Join: waiting requests take free caches, first come first served, each the one
+    // holding the longest prefix of its prompt.
     while !b.free.is_empty() && !b.waiting.is_empty() {
-        let (Some(job), Some(cache)) = (b.waiting.pop_front(), b.free.pop()) else {
+        let Some(job) = b.waiting.pop_front() else {
+            break;
+        };
+        let reuse = if job.cache_prompt {
+            &job.prompt[..]
+        } else {
+            &[]
+        };
+        let Some(cache) = b.free.take(reuse) else {
+            b.waiting.push_front(job);
             break;
         };
         waiting.fetch_sub(1, Ordering::AcqRel);
-        match Request::start(job, cache, model, tokenizer) {
+        match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
             Ok(req) => b.running.push(req),
-            Err(cache) => b.free.push(cache),
+            Err(cache) => b.free.give_back(cache, None),
         }
         fault.at(fault::Point::Admit);
     }
     // 4. Leave: clients that went away, or everyone once the shutdown cancels.
     for req in b.running.extract_if(.., |r| cancelled || r.abandoned()) {
-        b.free.push(req.end());
+        req.end(&mut b.free);
     }
     if b.running.is_empty() {
         s.stats.running.store(0, Ordering::Relaxed);
+        s.stats.caches_free.store(b.free.len(), Ordering::Relaxed);
         return Flow::Continue; // a step needs at least one request
     }
     // 5. One step. A model error fails this step's requests, not the server.
     if let Err(e) = step(model, &mut b.running, &s.stats, fault) {
         let message = format!("the model step failed: {e}");
         for req in b.running.drain(..) {
-            b.free.push(req.fail(&message));
+            req.fail(&message, &mut b.free);
         }
     }
     // 6. Leave: requests that ended.
     for req in b.running.extract_if(.., |r| r.done()) {
-        b.free.push(req.end());
+        req.end(&mut b.free);
     }
     s.stats.running.store(b.running.len(), Ordering::Relaxed);
+    s.stats.caches_free.store(b.free.len(), Ordering::Relaxed);
     Flow::Continue
 }
 

@@ -7,6 +7,8 @@
 mod fuzz;
 mod harness;
 mod logprobs;
+mod metrics;
+mod prefix;
 
 use harness::{finish_reason, generate, streamed_text, Server};
 use serde_json::{json, Value};

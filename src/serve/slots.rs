@@ -1,0 +1,68 @@
+//! The caches the scheduler lends to requests, each remembering the tokens it holds, so
+//! that a request whose prompt begins with them does not prefill them again (llama-server's
+//! slot prompt cache): a chat client re-sends the whole conversation every turn, and the
+//! turn before is still in the cache it ran in. A request takes the free cache that shares
+//! the longest prefix with its prompt; among caches sharing none, the one used longest ago,
+//! so that recent conversations keep theirs.
+
+use crate::kv_cache::KvCache;
+
+/// A cache and what it holds.
+pub struct Slot {
+    pub cache: KvCache,
+    /// The tokens in the cache's first `cache.len()` positions, one per position.
+    ids: Vec<u32>,
+    /// When it was last given back (a counter): older slots are taken first.
+    returned: u64,
+}
+
+/// The free caches.
+#[derive(Default)]
+pub struct Slots {
+    free: Vec<Slot>,
+    clock: u64,
+}
+
+impl Slots {
+    pub fn len(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.free.is_empty()
+    }
+
+    /// Gives back a cache whose first `cache.len()` positions hold `ids[..cache.len()]`
+    /// (a finished request's prompt and completion); `None` forgets what it holds.
+    pub fn give_back(&mut self, mut cache: KvCache, ids: Option<&[u32]>) {
+        let ids = match ids {
+            Some(ids) if ids.len() >= cache.len() => ids[..cache.len()].to_vec(),
+            _ => {
+                cache.reset();
+                Vec::new()
+            }
+        };
+        self.clock += 1;
+        self.free.push(Slot {
+            cache,
+            ids,
+            returned: self.clock,
+        });
+    }
+
+    /// Takes the free cache that holds the longest prefix of `prompt`, cut to that prefix:
+    /// the request then prefills only the rest.
+    pub fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {
+        let shared = |s: &Slot| s.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let (at, _) = self
+            .free
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, s)| (shared(s), std::cmp::Reverse(s.returned)))?;
+        let slot = self.free.swap_remove(at);
+        let n = shared(&slot);
+        let mut cache = slot.cache;
+        cache.truncate(n);
+        Some(cache)
+    }
+}

@@ -1,0 +1,97 @@
+//! Prefix reuse across requests: a prompt that begins with what a free cache holds (the turn
+//! before of the same conversation) prefills only the rest, reports it as
+//! `prompt_tokens_details.cached_tokens`, and answers as if nothing were cached.
+
+use super::harness::Server;
+use super::logprobs::greedy_ids;
+use super::tiny_with_template;
+use serde_json::{json, Value};
+
+fn completion_ids(server: &Server, prompt: &[u32], n: usize) -> (Vec<u32>, Value) {
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 0,
+                      "ignore_eos": true});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    // The ids, from the library's greedy run: the reply's text must be theirs.
+    let ids = greedy_ids(prompt, n);
+    (ids, reply["usage"].clone())
+}
+
+#[test]
+fn a_prompt_that_extends_a_finished_one_reuses_its_cache_and_answers_the_same() {
+    let server = Server::start(&["--max-batch", "2"]);
+    let first: Vec<u32> = (0..40).map(|i| 3 + (i * 7 % 200)).collect();
+    let (ids, usage) = completion_ids(&server, &first, 10);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    // The next turn: the first prompt, its answer, and more.
+    let mut second = first.clone();
+    second.extend(&ids);
+    second.extend([5, 6, 7, 8]);
+    let body = json!({"prompt": second, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    // The cache held the prompt and the answer but its last token (never fed).
+    let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, (first.len() + ids.len() - 1) as u64, "{reply}");
+    // Equal to the same prompt run from nothing, in a fresh server.
+    let fresh = Server::start(&[]);
+    let (_, uncached) = fresh.post("/v1/completions", &body);
+    assert_eq!(
+        uncached["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    assert_eq!(reply["choices"][0]["text"], uncached["choices"][0]["text"]);
+    // A prompt sharing nothing takes the other cache, which held nothing.
+    let other: Vec<u32> = (0..30).map(|i| 300 + i).collect();
+    let (_, usage) = completion_ids(&server, &other, 4);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    // And the conversation's cache is still there for its next turn.
+    let (status, again) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200);
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        second.len() as u64 - 1
+    );
+    assert_eq!(again["choices"][0]["text"], reply["choices"][0]["text"]);
+}
+
+#[test]
+fn a_chat_prefills_only_its_new_turn() {
+    let dir = tiny_with_template("smollm2", "chat-prefix");
+    let server = Server::start(&["-m", dir.to_str().unwrap(), "--max-batch", "2"]);
+    let mut messages = vec![json!({"role": "system", "content": "You are a bard."})];
+    let mut prefilled = Vec::new();
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": format!("Verse {turn}?")}));
+        let body = json!({"messages": messages, "max_tokens": 6, "temperature": 0});
+        let (status, reply) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{reply}");
+        let usage = &reply["usage"];
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        prefilled.push(prompt - cached);
+        let content = reply["choices"][0]["message"]["content"].clone();
+        messages.push(json!({"role": "assistant", "content": content}));
+    }
+    // Turn 1 prefills everything; later turns their new message and the template's markup
+    // around it (and the answer's last token, and any tokens that re-encode differently).
+    // (Here 64, then 46 a turn while the prompt grows 64 -> 217.)
+    let later = &prefilled[1..];
+    let (min, max) = (later.iter().min().unwrap(), later.iter().max().unwrap());
+    assert!(
+        *max < prefilled[0] && max - min <= 4,
+        "prefilled per turn: {prefilled:?}"
+    );
+}
