@@ -82,6 +82,37 @@ CONVERSATIONS = {
     ],
 }
 
+# OpenAI's `tools` (transformers passes JSON-schema dicts as they are), and a round trip:
+# the assistant's call (arguments as a dict, as transformers' templates expect it; the server
+# parses OpenAI's JSON string) and the tool's answer. Rendered by the templates that use them.
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+TOOL_CONVERSATIONS = {
+    "tools_ask": [{"role": "user", "content": "What is the weather in Paris?"}],
+    "tools_round_trip": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 degrees, sunny"},
+    ],
+}
+TOOL_TEMPLATES = ["qwen2.5", "llama3"]  # SmolLM2's template does not read tools
+
 RENDERER_NOTE = (
     "transformers.utils.chat_template_utils (read from its source): jinja2 ImmutableSandboxedEnvironment("
     "trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, a {% generation %} tag]); tojson is "
@@ -205,6 +236,10 @@ def main():
             if name == "smollm2" and not entry["error"]:
                 entry.update(smollm2_extras(tok, entry))
             renders.append(entry)
+        if name in TOOL_TEMPLATES:
+            for conv, messages in TOOL_CONVERSATIONS.items():
+                rendered = render(tok, template, messages, True, {**kwargs, "tools": TOOLS})
+                renders.append({"template": name, "conversation": conv, **rendered})
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id

@@ -184,6 +184,48 @@ def check_prefix(srv, model_dir):
     assert cached.choices[0].message.content == fresh.choices[0].message.content
 
 
+def check_tools(binary, tmp):
+    """A tools request through the openai package on a copy of tiny-gqa with Qwen2.5's
+    template: the prompt the server renders (llama-server's /apply-template) is byte-identical
+    to transformers' apply_chat_template(tools=...), with the assistant's call sent back as
+    OpenAI returns it (arguments a JSON string) and the tool's answer."""
+    import urllib.request
+    import transformers
+    model_dir = Path(tmp) / "tiny-qwen-tools"
+    shutil.copytree(ROOT / "models" / MODEL, model_dir)
+    template = (ROOT / "tests/data/chat_templates/qwen2.5.jinja").read_text()
+    (model_dir / "chat_template.jinja").write_text(template)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 1024  # only the prompt matters here
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"))
+    as_template_wants = json.loads(json.dumps(messages))
+    as_template_wants[1] = {"role": "assistant", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    want = tok.apply_chat_template(as_template_wants, tools=tools, chat_template=template,
+                                   add_generation_prompt=True, tokenize=False)
+    with Server(binary, ["-m", str(model_dir)]) as srv:
+        body = json.dumps({"messages": messages, "tools": tools}).encode()
+        req = urllib.request.Request(srv.url + "/apply-template", body,
+                                     {"Content-Type": "application/json"})
+        got = json.loads(urllib.request.urlopen(req, timeout=60).read())["prompt"]
+        assert got == want, (got, want)
+        r = srv.client().chat.completions.create(model=model_dir.name, messages=messages,
+                                                 tools=tools, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == len(tok(want, add_special_tokens=False)["input_ids"])
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def check_concurrent(binary, srv):
     lines = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed",
              "KING RICHARD II:", "To be, or not", "MENENIUS:\nWhat work's, my countrymen",
@@ -283,6 +325,7 @@ def main():
                 ("logprobs", lambda: check_logprobs(srv)),
                 ("chat logprobs", lambda: check_chat_logprobs(chat_srv, model_dir)),
                 ("prefix reuse", lambda: check_prefix(chat_srv, model_dir)),
+                ("tools", lambda: check_tools(binary, tmp)),
                 ("16 concurrent", lambda: check_concurrent(binary, srv)),
                 ("disconnect", lambda: check_disconnect(srv)),
                 ("full queue", lambda: check_full_queue(binary)),

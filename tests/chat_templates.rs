@@ -43,7 +43,9 @@ fn render(case: &Value) -> tiny_decoder::Result<String> {
     let add = case["add_generation_prompt"]
         .as_bool()
         .expect("add_generation_prompt");
-    template(name, kwargs).render_with(&messages(&case["messages"]), add, &extra)
+    // As JSON, not `Message`s: the tool cases carry `tool_calls` and `tool_call_id`.
+    let messages = case["messages"].as_array().expect("reference messages");
+    template(name, kwargs).render_with(messages, add, &extra)
 }
 
 fn label(case: &Value) -> String {

@@ -3,6 +3,7 @@
 
 pub mod session;
 pub mod template;
+pub mod tools;
 
 pub use session::{Conversation, TurnNotes};
 pub use template::{read_messages, ChatTemplate, Message};

@@ -27,6 +27,7 @@
 mod py;
 mod time;
 
+use super::tools::ToolFormat;
 use crate::error::{Error, Result};
 use minijinja::value::{Serde, Value};
 use minijinja::{Environment, ErrorKind};
@@ -49,6 +50,9 @@ pub struct ChatTemplate {
     /// token the tokenizer does not have is left undefined, not set to "" or none.
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Whether the template reads `tools`, and how it teaches the model to call them.
+    reads_tools: bool,
+    tool_format: Option<ToolFormat>,
 }
 
 /// Each render's budget: instructions, plus about one per 64 bytes of data the template
@@ -87,7 +91,19 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.map(str::to_string),
             eos_token: eos_token.map(str::to_string),
+            reads_tools: source.contains("tools"),
+            tool_format: ToolFormat::detect(&source),
         })
+    }
+
+    /// Whether the template reads the `tools` variable (else tools given to it would be lost).
+    pub fn reads_tools(&self) -> bool {
+        self.reads_tools
+    }
+
+    /// How the template teaches the model to write tool calls, when it is one we parse.
+    pub fn tool_format(&self) -> Option<ToolFormat> {
+        self.tool_format
     }
 
     /// Renders the conversation, ending with the assistant's header when
@@ -98,9 +114,11 @@ impl ChatTemplate {
 
     /// [`render`](Self::render) with further template variables (e.g. `date_string`, or
     /// `tools`), which override the special tokens, as transformers' keyword arguments do.
-    pub fn render_with(
+    /// `messages` may be any serializable shape: [`Message`]s, or OpenAI's JSON messages
+    /// with `tool_calls` and `tool_call_id` (the server's).
+    pub fn render_with<M: Serialize>(
         &self,
-        messages: &[Message],
+        messages: &[M],
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {

@@ -6,6 +6,7 @@
 //! `request`, batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
+mod chat;
 mod checks;
 mod error;
 mod fault;
@@ -19,6 +20,7 @@ mod routes;
 mod scheduler;
 mod slots;
 mod sse;
+mod tools;
 
 pub use http::Limits;
 pub use scheduler::PREFILL_PER_STEP;

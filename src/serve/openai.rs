@@ -5,6 +5,8 @@
 use super::error::ApiError;
 use super::logprobs::{self, Logprobs};
 use super::request::Finish;
+use super::tools;
+use crate::chat::tools::{ToolCall, ToolFormat};
 use crate::generate::StopReason;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -47,6 +49,7 @@ pub struct Unhonoured {
     pub presence_penalty: Option<f32>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub response_format: Option<Value>,
+    /// Chat takes these (`ChatRequest`); `/v1/completions` does not.
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub echo: Option<bool>,
@@ -117,6 +120,13 @@ pub struct ChatRequest {
     /// Report each token's log-probability, with `top_logprobs` (0-20) alternatives.
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<usize>,
+    /// Functions the model may call, passed to the chat template as transformers does.
+    pub tools: Option<Vec<Value>>,
+    /// `"auto"` (the default with tools) or `"none"` (the tools are not shown to the model).
+    pub tool_choice: Option<Value>,
+    /// vLLM's: further variables for the chat template (e.g. `enable_thinking`,
+    /// `date_string`), as transformers' `apply_chat_template(**kwargs)`.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub params: Params,
 }
@@ -126,6 +136,11 @@ pub struct ChatMessage {
     pub role: String,
     /// `null` for an assistant turn that only called tools.
     pub content: Option<Content>,
+    /// An assistant turn's calls, as OpenAI returned them (arguments as a JSON string).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the call it answers, and the function's name.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 /// A message's content: a string, or a list of parts of which we read the text ones.
@@ -178,6 +193,8 @@ pub struct Reply {
     pub model: String,
     /// `/v1/chat/completions` (messages and deltas) rather than `/v1/completions` (text).
     pub chat: bool,
+    /// Tools were given: calls in this format become `tool_calls`.
+    pub tools: Option<ToolFormat>,
 }
 
 impl Reply {
@@ -191,11 +208,21 @@ impl Reply {
 
     /// The whole reply of a request without `stream`.
     pub fn whole(&self, f: &Finish) -> Value {
-        let reason = finish_reason(f.reason);
+        let mut reason = finish_reason(f.reason);
         let lp = self.logprobs(f.logprobs.as_deref(), 0);
+        let mut message = json!({"role": "assistant", "content": f.text});
+        if let Some(format) = self.tools {
+            let (content, calls) = format.parse(&f.text);
+            if !calls.is_empty() {
+                let content = (!content.is_empty()).then_some(content);
+                message = json!({"role": "assistant", "content": content,
+                                 "tool_calls": tools::openai_calls(&calls, false)});
+                reason = "tool_calls";
+            }
+        }
         let choice = match self.chat {
-            true => json!({"index": 0, "message": {"role": "assistant", "content": f.text},
-                           "logprobs": lp, "finish_reason": reason}),
+            true => json!({"index": 0, "message": message, "logprobs": lp,
+                           "finish_reason": reason}),
             false => json!({"index": 0, "text": f.text, "logprobs": lp, "finish_reason": reason}),
         };
         json!({"id": self.id, "object": self.object(false), "created": self.created,
@@ -243,6 +270,14 @@ impl Reply {
             chunk["usage"] = Value::Null;
         }
         chunk
+    }
+
+    /// A stream's chunk with the reply's tool calls (sent once, at the end).
+    pub fn tool_calls_chunk(&self, calls: &[ToolCall]) -> Value {
+        let delta = json!({"tool_calls": tools::openai_calls(calls, true)});
+        json!({"id": self.id, "object": self.object(true), "created": self.created,
+               "model": self.model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]})
     }
 
     /// The extra last chunk of `stream_options.include_usage`: no choices, the counts.

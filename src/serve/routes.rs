@@ -3,14 +3,16 @@
 //! sampling as `generate` does, check that it fits the context (400), queue it (429 when
 //! full), then reply whole or as a stream.
 
+use super::chat;
 use super::checks;
 use super::error::{ApiError, SHUTDOWN, STOPPED};
 use super::metrics::Gauges;
-use super::openai::{ChatRequest, CompletionRequest, Params, Prompt, Reply};
+use super::openai::{CompletionRequest, Params, Prompt, Reply};
 use super::queue::{Queue, Refused, Stats};
 use super::request::{Event, Job};
 use super::sse;
-use crate::chat::{ChatTemplate, Message};
+use crate::chat::tools::ToolFormat;
+use crate::chat::ChatTemplate;
 use crate::config::GenerationConfig;
 use crate::loader::TextTokenizer;
 use axum::body::Bytes;
@@ -47,15 +49,16 @@ pub struct Served {
     pub request_timeout: Duration,
 }
 
-type Shared = Arc<Served>;
-type Answer = Result<Response, ApiError>;
+pub(super) type Shared = Arc<Served>;
+pub(super) type Answer = Result<Response, ApiError>;
 
 pub fn router(served: Shared) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions", post(chat::completions))
+        .route("/apply-template", post(chat::apply_template))
         .route_layer(middleware::from_fn_with_state(served.clone(), auth));
     Router::new()
         .route("/health", get(health))
@@ -144,12 +147,12 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// The body as JSON, whatever its content type (curl's `-d` says form data).
-fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(super) fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
-fn check_model(s: &Served, p: &Params) -> Result<(), ApiError> {
+pub(super) fn check_model(s: &Served, p: &Params) -> Result<(), ApiError> {
     match &p.model {
         Some(m) if *m != s.model_id => Err(ApiError::model_not_found(m, &s.model_id)),
         _ => Ok(()),
@@ -180,48 +183,17 @@ async fn completions(State(s): State<Shared>, body: Bytes) -> Answer {
         }
         Prompt::Ids(ids) => ids.clone(),
     };
-    respond(&s, prompt, &req.params, logprobs, false).await
-}
-
-async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Answer {
-    let req: ChatRequest = parse(&body)?;
-    check_model(&s, &req.params)?;
-    let logprobs = checks::chat_logprobs(req.logprobs, req.top_logprobs)?;
-    if s.template.is_none() {
-        let m = format!(
-            "{} has no chat template (chat_template.jinja or tokenizer_config.json): \
-             send plain text to /v1/completions",
-            s.model_id
-        );
-        return Err(ApiError::bad_request(m));
-    }
-    if req.messages.is_empty() {
-        return Err(ApiError::bad_field(
-            "messages",
-            "messages must not be empty",
-        ));
-    }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for m in &req.messages {
-        let content = m.content.as_ref().map(|c| c.text()).transpose()?;
-        messages.push(Message {
-            role: m.role.clone(),
-            content: content.unwrap_or_default(),
-        });
-    }
-    let prompt = off_workers(&s, move |s| {
-        let bad = |e: crate::error::Error| ApiError::bad_field("messages", e.to_string());
-        let template = s.template.as_ref().expect("checked above");
-        let text = template.render(&messages, true).map_err(bad)?;
-        s.tokenizer.encode_plain(&text).map_err(bad)
-    })
-    .await?;
-    respond(&s, prompt, &req.params, logprobs, true).await
+    let ask = Ask {
+        chat: false,
+        logprobs,
+        tools: None,
+    };
+    respond(&s, prompt, &req.params, ask).await
 }
 
 /// Runs `work` (templating, tokenizing: CPU-bound for a long prompt) on tokio's blocking
 /// threads, so that the two async workers stay free for `/health` and cheap refusals.
-async fn off_workers<T: Send + 'static>(
+pub(super) async fn off_workers<T: Send + 'static>(
     s: &Shared,
     work: impl FnOnce(&Served) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -232,13 +204,16 @@ async fn off_workers<T: Send + 'static>(
 }
 
 /// Queues the request and replies: the whole text, or a stream of it.
-async fn respond(
-    s: &Served,
-    prompt: Vec<u32>,
-    p: &Params,
-    logprobs: Option<usize>,
-    chat: bool,
-) -> Answer {
+/// What a request asks for beyond its `Params`.
+pub(super) struct Ask {
+    /// `/v1/chat/completions` rather than `/v1/completions`.
+    pub chat: bool,
+    pub logprobs: Option<usize>,
+    /// Parse tool calls from the reply, in this format.
+    pub tools: Option<ToolFormat>,
+}
+
+pub(super) async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, ask: Ask) -> Answer {
     // Ids sent as such, or a tokenizer's added tokens past the model's embedding rows: an
     // id the model has no row for fails this request, not the batch step it would join.
     if let Some(id) = prompt.iter().find(|&&id| id as usize >= s.vocab_size) {
@@ -256,7 +231,7 @@ async fn respond(
         stop: p.stops(),
         ignore_eos: p.ignore_eos.unwrap_or(false),
         cache_prompt: p.cache_prompt.unwrap_or(true),
-        logprobs,
+        logprobs: ask.logprobs,
         sampler,
         events,
         queued: Instant::now(),
@@ -267,12 +242,13 @@ async fn respond(
     })?;
     // The status goes out once the request has a cache: a 408, 503 or 500 before then.
     let receiver = admitted(receiver, s.request_timeout).await?;
-    let prefix = if chat { "chatcmpl" } else { "cmpl" };
+    let prefix = if ask.chat { "chatcmpl" } else { "cmpl" };
     let reply = Reply {
         id: format!("{prefix}-{:016x}", rand::random::<u64>()),
         created: unix_now(),
         model: s.model_id.clone(),
-        chat,
+        chat: ask.chat,
+        tools: ask.tools,
     };
     match p.stream() {
         true => Ok(sse::response(

@@ -6,6 +6,7 @@
 use super::error::{ApiError, STOPPED};
 use super::openai::{finish_reason, Reply};
 use super::request::Event;
+use crate::chat::tools::ToolFormat;
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
@@ -31,6 +32,8 @@ pub fn response(
         opened: false,
         ended: false,
         sent: 0,
+        held: String::new(),
+        released: 0,
     };
     let headers = [
         (CONTENT_TYPE, "text/event-stream"),
@@ -52,6 +55,10 @@ struct Chunks {
     ended: bool,
     /// Characters of completion text sent (the completions' `text_offset`).
     sent: usize,
+    /// With tools: the reply so far, of which `released` bytes went out as content (the
+    /// rest may be a tool call, sent as `tool_calls` at the end).
+    held: String,
+    released: usize,
 }
 
 fn data(v: &Value) -> String {
@@ -66,8 +73,16 @@ impl Chunks {
         let usage = self.include_usage;
         let end = match event {
             Some(Event::Text(p)) => {
-                let text = Some((p.text.as_str(), p.logprobs.as_deref()));
-                let chunk = self.reply.chunk(text, self.sent, None, usage);
+                let text = match self.reply.tools {
+                    Some(format) => self.release(format, &p.text),
+                    None => p.text,
+                };
+                if text.is_empty() && p.logprobs.is_none() {
+                    return String::new();
+                }
+                let chunk =
+                    self.reply
+                        .chunk(Some((&text, p.logprobs.as_deref())), self.sent, None, usage);
                 self.sent += p
                     .logprobs
                     .iter()
@@ -77,8 +92,19 @@ impl Chunks {
                 return data(&chunk);
             }
             Some(Event::Done(f)) => {
-                let reason = finish_reason(f.reason);
-                let mut out = data(&self.reply.chunk(None, self.sent, Some(reason), usage));
+                let mut reason = finish_reason(f.reason);
+                let mut out = String::new();
+                if let Some(format) = self.reply.tools {
+                    let (_, calls) = format.parse(&f.text);
+                    let rest = &self.held[self.released..];
+                    if calls.is_empty() && !rest.is_empty() {
+                        out += &data(&self.reply.chunk(Some((rest, None)), self.sent, None, usage));
+                    } else if !calls.is_empty() {
+                        out += &data(&self.reply.tool_calls_chunk(&calls));
+                        reason = "tool_calls";
+                    }
+                }
+                out += &data(&self.reply.chunk(None, self.sent, Some(reason), usage));
                 if usage {
                     out += &data(&self.reply.usage_chunk(&f));
                 }
@@ -92,6 +118,18 @@ impl Chunks {
         };
         self.ended = true;
         end + DONE
+    }
+}
+
+impl Chunks {
+    /// Adds `text` to the reply so far and returns what may go out as content now: all
+    /// but what may be a tool call (`ToolFormat::content_len`).
+    fn release(&mut self, format: ToolFormat, text: &str) -> String {
+        self.held.push_str(text);
+        let upto = format.content_len(&self.held).max(self.released);
+        let out = self.held[self.released..upto].to_string();
+        self.released = upto;
+        out
     }
 }
 
@@ -110,5 +148,123 @@ impl Stream for Chunks {
         }
         let event = ready!(this.events.poll_recv(cx));
         Poll::Ready(Some(Ok(this.bytes(event).into())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::StopReason;
+    use crate::serve::request::{Finish, Piece};
+
+    fn chunks(tools: Option<ToolFormat>) -> Chunks {
+        let (_, events) = tokio::sync::mpsc::unbounded_channel();
+        let reply = Reply {
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            chat: true,
+            tools,
+        };
+        Chunks {
+            reply,
+            events,
+            include_usage: false,
+            timeout: Duration::from_secs(1),
+            opened: true,
+            ended: false,
+            sent: 0,
+            held: String::new(),
+            released: 0,
+        }
+    }
+
+    fn text(t: &str) -> Option<Event> {
+        Some(Event::Text(Piece {
+            text: t.into(),
+            logprobs: None,
+        }))
+    }
+
+    fn done(t: &str) -> Option<Event> {
+        Some(Event::Done(Finish {
+            reason: StopReason::Eos,
+            text: t.into(),
+            prompt_tokens: 3,
+            completion_tokens: 9,
+            cached_tokens: 0,
+            logprobs: None,
+        }))
+    }
+
+    /// The `data:` payloads of a stream's bytes, as JSON (`[DONE]` as a string).
+    fn parse(bytes: &str) -> Vec<Value> {
+        bytes
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.into())))
+            .collect()
+    }
+
+    #[test]
+    fn a_streamed_hermes_call_goes_out_as_tool_calls_and_text_before_it_as_content() {
+        let mut c = chunks(Some(ToolFormat::Hermes));
+        let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        let mut out = String::new();
+        for piece in ["Sure. <tool", &call[5..20], &call[20..]] {
+            out += &c.bytes(text(piece));
+        }
+        out += &c.bytes(done(&format!("Sure. {call}")));
+        let events = parse(&out);
+        let content: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "Sure. ");
+        let calls = events
+            .iter()
+            .find_map(|e| e["choices"][0]["delta"]["tool_calls"].as_array())
+            .expect("a tool_calls delta");
+        assert_eq!(calls[0]["function"]["name"], "f");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"x\":1}");
+        assert_eq!(calls[0]["index"], 0);
+        let last = &events[events.len() - 2];
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+    }
+
+    #[test]
+    fn a_reply_that_only_looked_like_a_call_is_sent_as_content() {
+        let mut c = chunks(Some(ToolFormat::Llama3Json));
+        let mut out = c.bytes(text("{not a call"));
+        out += &c.bytes(text("}"));
+        out += &c.bytes(done("{not a call}"));
+        let events = parse(&out);
+        let content: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "{not a call}");
+        let last = &events[events.len() - 2];
+        assert_eq!(last["choices"][0]["finish_reason"], "stop");
+        // Whole: the same, and a real call becomes message.tool_calls.
+        let whole = c.reply.whole(&Finish {
+            text: "{\"name\": \"f\", \"parameters\": {\"x\": 2}}".into(),
+            ..match done("").unwrap() {
+                Event::Done(f) => f,
+                _ => unreachable!(),
+            }
+        });
+        let choice = &whole["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["content"], Value::Null);
+        assert_eq!(
+            choice["message"]["tool_calls"][0]["function"]["arguments"],
+            "{\"x\":2}"
+        );
+        assert!(choice["message"]["tool_calls"][0]["id"]
+            .as_str()
+            .unwrap()
+            .starts_with("call_"));
     }
 }

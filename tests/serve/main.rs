@@ -9,6 +9,7 @@ mod harness;
 mod logprobs;
 mod metrics;
 mod prefix;
+mod tools;
 
 use harness::{finish_reason, generate, streamed_text, Server};
 use serde_json::{json, Value};
