@@ -226,6 +226,28 @@ def check_tools(binary, tmp):
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def check_structured(srv, chat_srv, model_dir):
+    """20 sampled replies under a json_schema response_format each parse and validate
+    against the schema (jsonschema); json_object gives an object."""
+    import jsonschema
+    schema = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                             "mood": {"enum": ["happy", "sad"]}},
+              "required": ["name", "age", "mood"], "additionalProperties": False}
+    c = srv.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
+                                                  "strict": True}}
+    for seed in range(20):
+        r = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=100, temperature=1.0,
+                                 seed=seed, extra_body={"response_format": fmt})
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = chat_srv.client().chat.completions.create(
+        model=model_dir.name, messages=[{"role": "user", "content": "Who are you?"}],
+        max_tokens=100, temperature=0.7, seed=1, response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
 def check_concurrent(binary, srv):
     lines = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed",
              "KING RICHARD II:", "To be, or not", "MENENIUS:\nWhat work's, my countrymen",
@@ -326,6 +348,7 @@ def main():
                 ("chat logprobs", lambda: check_chat_logprobs(chat_srv, model_dir)),
                 ("prefix reuse", lambda: check_prefix(chat_srv, model_dir)),
                 ("tools", lambda: check_tools(binary, tmp)),
+                ("structured output", lambda: check_structured(srv, chat_srv, model_dir)),
                 ("16 concurrent", lambda: check_concurrent(binary, srv)),
                 ("disconnect", lambda: check_disconnect(srv)),
                 ("full queue", lambda: check_full_queue(binary)),

@@ -21,6 +21,7 @@ pub mod loader;
 
 // The engine: the generation loop, the sampler, the stateless model and its cache.
 pub mod generate;
+pub mod grammar;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;

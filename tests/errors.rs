@@ -202,6 +202,22 @@ fn bad_flags() {
     run(&["--dtype", "f8"], "--dtype");
     run(&["--device", "tpu"], "--device");
     run(&["--device", "cuda"], "cuda");
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let schema = tmp.join("bad-schema.json");
+    std::fs::write(&schema, r#"{"type": "object", "not": {}}"#).unwrap();
+    let s = schema.to_str().unwrap();
+    run(
+        &["--json-schema", s],
+        &format!("--json-schema {s}: invalid grammar"),
+    );
+    run(
+        &["--json-schema", "/no/such.json"],
+        "--json-schema /no/such.json: cannot read",
+    );
+    run(
+        &["--grammar", s],
+        &format!("--grammar {s}: invalid grammar"),
+    );
     // clap's usage errors are printed whole: what is wrong, then the usage line.
     let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
     args.push("--bogus");
@@ -221,7 +237,6 @@ fn bad_flags() {
     fails(&args, &[], "context length is 256");
 
     let d = dir.to_str().unwrap();
-    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     fails(
         &["eval", "--model", d, "--file", "/no/such/file.txt"],
         &[],

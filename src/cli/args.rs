@@ -197,6 +197,12 @@ pub struct GenerateArgs {
     /// End generation when the text contains STR (repeatable); STR is not printed.
     #[arg(long, value_name = "STR")]
     pub stop: Vec<String>,
+    /// The output must be JSON valid under the JSON schema in FILE (masked each step).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+    /// The output must match the Lark grammar in FILE (llguidance's dialect: a `start` rule).
+    #[arg(long, value_name = "FILE", conflicts_with = "json_schema")]
+    pub grammar: Option<PathBuf>,
     #[command(flatten)]
     pub placement: Placement,
     #[arg(long)]

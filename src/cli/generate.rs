@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tiny_decoder::chat::{self, Message};
 use tiny_decoder::config::GenerationConfig;
 use tiny_decoder::generate::{self, Generation, Options, StopReason};
+use tiny_decoder::grammar::{Grammars, Spec};
 use tiny_decoder::loader::{bundled, Loaded, TextTokenizer};
 use tiny_decoder::sampling::{Sampler, SamplingParams};
 
@@ -32,6 +33,25 @@ pub fn catch_interrupt() {
     }
 }
 
+/// `--json-schema` or `--grammar`, read and parsed before the model loads, with the flag
+/// and file its errors name.
+fn grammar_spec(a: &GenerateArgs) -> Result<Option<(Spec, String)>> {
+    if let Some(path) = &a.json_schema {
+        let label = format!("--json-schema {}", path.display());
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("{label}: cannot read"))?;
+        let schema = serde_json::from_str(&text).with_context(|| format!("{label}: not JSON"))?;
+        return Ok(Some((Spec::JsonSchema(schema), label)));
+    }
+    if let Some(path) = &a.grammar {
+        let label = format!("--grammar {}", path.display());
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("{label}: cannot read"))?;
+        return Ok(Some((Spec::Lark(text), label)));
+    }
+    Ok(None)
+}
+
 /// Returns the process's exit status: 0, or [`EXIT_INTERRUPTED`]. Several prompts
 /// (`--prompt` repeated, or `--prompt-file` with one per line) run as one batch.
 pub fn run_generate(a: GenerateArgs) -> Result<i32> {
@@ -39,6 +59,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
     // The flags' own errors before a long load (the defaults filled in are valid).
     Sampler::new(&requested.resolve(&GenerationConfig::default()))?;
     check_stops(&a.stop)?;
+    let spec = grammar_spec(&a)?;
     let texts = prompt_texts(&a)?;
     // Before loading, so a Ctrl-C during a long load stops as cleanly as one mid-stream.
     catch_interrupt();
@@ -83,6 +104,14 @@ pub fn run_generate(a: GenerateArgs) -> Result<i32> {
                 .with_context(|| format!("prompt {}", i + 1))
         })
         .collect::<Result<Vec<_>>>()?;
+    if let Some((spec, label)) = &spec {
+        let cfg = model.config();
+        let grammars = Grammars::new(tok.inner(), cfg.vocab_size, &cfg.eos_token_ids)
+            .with_context(|| label.clone())?;
+        for seq in &mut seqs {
+            seq.constrain(grammars.compile(spec).with_context(|| label.clone())?);
+        }
+    }
     let mut stdout = std::io::stdout().lock();
     // One prompt streams its text as it comes; a batch prints each text at the end.
     let stream = !a.json && seqs.len() == 1;

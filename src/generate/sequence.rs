@@ -5,6 +5,7 @@
 
 use super::{stop, Generation, Options, StopReason, StopStrings, TokenStream};
 use crate::error::{Error, Result};
+use crate::grammar::Constraint;
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
 use crate::sampling::{Sampler, TokenLogprob};
@@ -60,6 +61,8 @@ pub struct Sequence<'a, C = &'a mut KvCache, S = &'a mut Sampler> {
     top_logprobs: Option<usize>,
     /// One per generated token while `top_logprobs` is set.
     logprobs: Vec<TokenLogprob>,
+    /// The grammar the output must match (structured output); `None`: free text.
+    constraint: Option<Constraint>,
     eos: Vec<u32>,
     /// Text that ends the sequence (never shown, nor anything after it).
     stop_list: Vec<String>,
@@ -135,6 +138,7 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
             ignore_eos: opts.ignore_eos,
             top_logprobs: opts.logprobs,
             logprobs: Vec::new(),
+            constraint: None,
             eos: model.config().eos_token_ids.clone(),
             stop_list: opts
                 .stop
@@ -186,7 +190,22 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
         if self.generated().len() == self.max_new_tokens {
             return self.end(StopReason::Length, on_text);
         }
+        // A grammar masks what it does not allow next; the sampler and the log-probabilities
+        // see the masked logits, the distribution the token is drawn from.
+        let masked;
+        let logits = match &mut self.constraint {
+            Some(c) => {
+                let mut l = logits.to_vec();
+                c.mask(&mut l)?;
+                masked = l;
+                &masked[..]
+            }
+            None => logits,
+        };
         let next = self.sampler.borrow_mut().sample(logits, &self.history);
+        if let Some(c) = &mut self.constraint {
+            c.accept(next)?;
+        }
         if !self.ignore_eos && self.eos.contains(&next) {
             return self.end(StopReason::Eos, on_text);
         }
@@ -203,6 +222,10 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
                 self.stop = Some(StopReason::Stop);
                 return Ok(());
             }
+        }
+        if self.constraint.as_ref().is_some_and(Constraint::complete) {
+            // The grammar allows nothing more: the output is whole, as at an EOS.
+            return self.end(StopReason::Eos, on_text);
         }
         if self.generated().len() == self.max_new_tokens {
             return self.end(StopReason::Length, on_text);
@@ -235,6 +258,11 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
     /// Each generated token's log-probability (with the options' `logprobs`), in order.
     pub fn logprobs(&self) -> &[TokenLogprob] {
         &self.logprobs
+    }
+
+    /// Makes the rest of the output match `constraint`'s grammar.
+    pub fn constrain(&mut self, constraint: Constraint) {
+        self.constraint = Some(constraint);
     }
 
     /// Whether the options asked for log-probabilities.

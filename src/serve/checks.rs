@@ -5,7 +5,9 @@
 use super::error::ApiError;
 use super::openai::{Params, Unhonoured};
 use crate::config::GenerationConfig;
+use crate::grammar::Spec;
 use crate::sampling::{Requested, Sampler};
+use serde_json::Value;
 
 /// Most stop strings a request may send (OpenAI allows 4), and their longest.
 const MAX_STOPS: usize = 16;
@@ -141,7 +143,6 @@ impl Unhonoured {
     /// Each field at its neutral value (or absent) passes; anything else is a 400 naming it.
     fn check(&self) -> Result<(), ApiError> {
         let u = self;
-        let neutral_type = |v: &serde_json::Value| v["type"] == "text";
         let tool_choice = |v: &serde_json::Value| v == "none" || v == "auto";
         let refused = [
             (
@@ -156,10 +157,7 @@ impl Unhonoured {
                 "logit_bias",
                 u.logit_bias.as_ref().is_some_and(|m| !m.is_empty()),
             ),
-            (
-                "response_format",
-                u.response_format.as_ref().is_some_and(|v| !neutral_type(v)),
-            ),
+            ("grammar", u.grammar.as_ref().is_some_and(|v| !v.is_null())),
             ("tools", u.tools.as_ref().is_some_and(|t| !t.is_empty())),
             (
                 "tool_choice",
@@ -176,5 +174,30 @@ impl Unhonoured {
             )),
             None => Ok(()),
         }
+    }
+}
+
+/// `response_format` as the grammar the reply must match: `None` for text.
+pub fn response_format(v: Option<&Value>) -> Result<Option<Spec>, ApiError> {
+    let field = "response_format";
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    match v["type"].as_str() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Spec::JsonObject)),
+        Some("json_schema") => match v.pointer("/json_schema/schema") {
+            Some(schema) if schema.is_object() || schema.is_boolean() => {
+                Ok(Some(Spec::JsonSchema(schema.clone())))
+            }
+            _ => Err(ApiError::bad_field(
+                field,
+                "json_schema needs json_schema.schema, a JSON schema object",
+            )),
+        },
+        _ => Err(ApiError::bad_field(
+            field,
+            "response_format.type must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
     }
 }

@@ -20,6 +20,7 @@ mod routes;
 mod scheduler;
 mod slots;
 mod sse;
+mod structured;
 mod tools;
 
 pub use http::Limits;
@@ -106,6 +107,8 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         template: m.template,
         generation: m.generation,
         vocab_size: cfg.vocab_size,
+        eos: cfg.eos_token_ids.clone(),
+        grammars: std::sync::OnceLock::new(),
         context: opts.context,
         max_batch: opts.max_batch,
         queue,

@@ -36,6 +36,8 @@ pub struct Params {
     pub n: Option<usize>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ..}}`.
+    pub response_format: Option<Value>,
     /// Fields OpenAI defines that this server does not honour: accepted at their neutral
     /// values, a 400 naming them otherwise (`checks`), never silently ignored.
     #[serde(flatten)]
@@ -48,7 +50,8 @@ pub struct Unhonoured {
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
-    pub response_format: Option<Value>,
+    /// llama-server's GBNF grammar: llguidance reads Lark, not GBNF.
+    pub grammar: Option<Value>,
     /// Chat takes these (`ChatRequest`); `/v1/completions` does not.
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,

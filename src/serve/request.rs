@@ -8,6 +8,7 @@ use super::metrics::Ended;
 use super::queue::Stats;
 use super::slots::Slots;
 use crate::generate::{self, Options, StopReason};
+use crate::grammar::Constraint;
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
@@ -29,6 +30,8 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Start from the longest prefix of the prompt a free cache holds (else from nothing).
     pub cache_prompt: bool,
+    /// The grammar the reply must match (`response_format`).
+    pub constraint: Option<Constraint>,
     /// Report each token's log-probability with this many alternatives (`logprobs`).
     pub logprobs: Option<usize>,
     pub sampler: Sampler,
@@ -122,8 +125,11 @@ impl<'t> Request<'t> {
             ignore_eos: job.ignore_eos,
             logprobs: job.logprobs,
         };
-        let seq =
+        let mut seq =
             generate::Sequence::start(model, tokenizer, cache, &job.prompt, opts, job.sampler);
+        if let Some(c) = job.constraint {
+            seq.constrain(c);
+        }
         let _ = job.events.send(Event::Admitted);
         Ok(Self {
             seq,

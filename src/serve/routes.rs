@@ -11,9 +11,11 @@ use super::openai::{CompletionRequest, Params, Prompt, Reply};
 use super::queue::{Queue, Refused, Stats};
 use super::request::{Event, Job};
 use super::sse;
+use super::structured;
 use crate::chat::tools::ToolFormat;
 use crate::chat::ChatTemplate;
 use crate::config::GenerationConfig;
+use crate::grammar::Grammars;
 use crate::loader::TextTokenizer;
 use axum::body::Bytes;
 use axum::extract::{Path, Request, State};
@@ -25,7 +27,7 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -39,6 +41,10 @@ pub struct Served {
     pub template: Option<ChatTemplate>,
     pub generation: GenerationConfig,
     pub vocab_size: usize,
+    /// The model's EOS ids, for structured output's grammars.
+    pub eos: Vec<u32>,
+    /// Built at the first request with a `response_format` (or the reason they cannot be).
+    pub grammars: OnceLock<Result<Grammars, String>>,
     /// Tokens one request may hold, prompt and completion: the caches' capacity.
     pub context: usize,
     pub max_batch: usize,
@@ -213,7 +219,7 @@ pub(super) struct Ask {
     pub tools: Option<ToolFormat>,
 }
 
-pub(super) async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, ask: Ask) -> Answer {
+pub(super) async fn respond(s: &Shared, prompt: Vec<u32>, p: &Params, ask: Ask) -> Answer {
     // Ids sent as such, or a tokenizer's added tokens past the model's embedding rows: an
     // id the model has no row for fails this request, not the batch step it would join.
     if let Some(id) = prompt.iter().find(|&&id| id as usize >= s.vocab_size) {
@@ -224,6 +230,7 @@ pub(super) async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, ask: Ask) 
         return Err(ApiError::bad_field("prompt", m));
     }
     let (max_tokens, sampler) = p.check(&prompt, s.context, &s.generation)?;
+    let constraint = structured::constraint(s, p).await?;
     let (events, receiver) = unbounded_channel();
     let job = Job {
         prompt,
@@ -232,6 +239,7 @@ pub(super) async fn respond(s: &Served, prompt: Vec<u32>, p: &Params, ask: Ask) 
         ignore_eos: p.ignore_eos.unwrap_or(false),
         cache_prompt: p.cache_prompt.unwrap_or(true),
         logprobs: ask.logprobs,
+        constraint,
         sampler,
         events,
         queued: Instant::now(),

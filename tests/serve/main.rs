@@ -9,6 +9,7 @@ mod harness;
 mod logprobs;
 mod metrics;
 mod prefix;
+mod structured;
 mod tools;
 
 use harness::{finish_reason, generate, streamed_text, Server};

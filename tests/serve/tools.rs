@@ -69,7 +69,10 @@ fn tools_reach_the_template_as_transformers_renders_them() {
             // llama-server's /apply-template: the rendered prompt, byte for byte.
             let (status, rendered) = server.post("/apply-template", &body);
             assert_eq!(status, 200, "{rendered}");
-            assert_eq!(rendered["prompt"], case["text"], "{template}/{conversation}");
+            assert_eq!(
+                rendered["prompt"], case["text"],
+                "{template}/{conversation}"
+            );
             let (status, reply) = server.post("/v1/chat/completions", &body);
             assert_eq!(status, 200, "{template}/{conversation}: {reply}");
             assert_eq!(
