@@ -189,6 +189,44 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// Makes this cache hold `from`'s first `n` positions (a copy: the two stay
+    /// independent), for a prompt that begins with what another sequence has cached. Both
+    /// caches must be of the same model and dtype; `n` at most `from.len()` and this
+    /// cache's capacity.
+    pub fn copy_prefix(&mut self, from: &KvCache, n: usize) -> Result<()> {
+        if n > from.len || n > self.capacity || self.layers.len() != from.layers.len() {
+            return Err(Error::Invalid(format!(
+                "cannot copy {n} positions from a cache of {} ({} layers) into one of capacity \
+                 {} ({} layers)",
+                from.len,
+                from.layers.len(),
+                self.capacity,
+                self.layers.len()
+            )));
+        }
+        self.len = 0; // nothing is trusted until every layer is copied
+        let copy =
+            |dst: &Tensor, src: &Tensor| dst.slice_set(&src.narrow(2, 0, n)?.contiguous()?, 2, 0);
+        for (dst, src) in self.layers.iter().zip(&from.layers) {
+            match (dst, src) {
+                (LayerCache::Kv { k, v }, LayerCache::Kv { k: k2, v: v2 }) => {
+                    copy(k, k2)?;
+                    copy(v, v2)?;
+                }
+                (LayerCache::Latent { rows, .. }, LayerCache::Latent { rows: r2, .. }) => {
+                    copy(rows, r2)?
+                }
+                _ => {
+                    return Err(Error::Invalid(
+                        "cannot copy between caches of two layouts".into(),
+                    ))
+                }
+            }
+        }
+        self.len = n;
+        Ok(())
+    }
+
     /// Checks that `t` more tokens fit, before any layer writes.
     pub(crate) fn reserve(&self, t: usize) -> Result<()> {
         if self.len + t > self.capacity {

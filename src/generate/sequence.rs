@@ -325,6 +325,11 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
         self.generation()
     }
 
+    /// The cache: its first `len()` positions hold `history()[..len()]`.
+    pub fn cache(&self) -> &KvCache {
+        self.cache.borrow()
+    }
+
     /// Gives the cache back (the scheduler reuses it for the next request).
     pub fn into_cache(self) -> C {
         self.cache

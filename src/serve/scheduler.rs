@@ -206,10 +206,11 @@ fn turn<'t>(
         } else {
             &[]
         };
-        let Some(cache) = b.free.take(reuse) else {
+        let Some(mut cache) = b.free.take(reuse) else {
             b.waiting.push_front(job);
             break;
         };
+        copy_running_prefix(&b.running, reuse, &mut cache);
         waiting.fetch_sub(1, Ordering::AcqRel);
         match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
             Ok(req) => b.running.push(req),
@@ -240,6 +241,32 @@ fn turn<'t>(
     s.stats.running.store(b.running.len(), Ordering::Relaxed);
     s.stats.caches_free.store(b.free.len(), Ordering::Relaxed);
     Flow::Continue
+}
+
+/// Fewest more tokens a running request must share with a prompt than its free cache does
+/// for the shared prefix to be copied from it (a copy is a memcpy of the positions' K/V,
+/// far cheaper than prefilling them, but not free).
+const COPY_MIN_TOKENS: usize = 32;
+
+/// When a running request has cached a longer prefix of `prompt` than `cache` holds (many
+/// requests with one system prompt, arriving together), copies that prefix into `cache`.
+fn copy_running_prefix(running: &[Request], prompt: &[u32], cache: &mut KvCache) {
+    let shared = |r: &&Request| {
+        let held = &r.seq.history()[..r.seq.cache().len()];
+        let n = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        // The prompt's last token is always fed (its logits start the reply).
+        n.min(prompt.len().saturating_sub(1)).min(cache.capacity())
+    };
+    let Some(from) = running.iter().max_by_key(shared) else {
+        return;
+    };
+    let n = shared(&from);
+    if n >= cache.len() + COPY_MIN_TOKENS {
+        if let Err(e) = cache.copy_prefix(from.seq.cache(), n) {
+            eprintln!("scheduler: prefix copy failed, prefilling instead: {e}");
+            cache.reset();
+        }
+    }
 }
 
 /// Counts a request out of the queue; `false`, for `retain`, to drop it.

@@ -95,3 +95,31 @@ fn a_chat_prefills_only_its_new_turn() {
         "prefilled per turn: {prefilled:?}"
     );
 }
+
+#[test]
+fn a_prompt_sharing_a_running_requests_prefix_copies_it_and_answers_the_same() {
+    let server = Server::start(&["--max-batch", "2"]);
+    let shared: Vec<u32> = (0..150).map(|i| 3 + (i * 11 % 500)).collect();
+    let mut first = shared.clone();
+    first.extend([7, 8, 9]);
+    let body = json!({"prompt": first, "max_tokens": 90, "temperature": 0, "stream": true,
+                      "ignore_eos": true});
+    // The first request runs: once its first chunk is out, its whole prompt is cached.
+    let mut stream = std::io::BufReader::new(server.open_stream("/v1/completions", &body));
+    let mut line = String::new();
+    while !line.starts_with("data: {") {
+        line.clear();
+        std::io::BufRead::read_line(&mut stream, &mut line).unwrap();
+    }
+    let mut second = shared.clone();
+    second.extend([40, 41, 42, 43]);
+    let body = json!({"prompt": second, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let cached = &reply["usage"]["prompt_tokens_details"]["cached_tokens"];
+    assert_eq!(cached, shared.len(), "{reply}");
+    let fresh = Server::start(&[]);
+    let (_, uncached) = fresh.post("/v1/completions", &body);
+    assert_eq!(reply["choices"][0]["text"], uncached["choices"][0]["text"]);
+    drop(stream);
+}
