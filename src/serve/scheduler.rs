@@ -201,6 +201,10 @@ fn turn<'t>(
         let Some(job) = b.waiting.pop_front() else {
             break;
         };
+        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.free) {
+            b.waiting.push_front(job); // admitted once that prefill is done, to copy it
+            break;
+        }
         let reuse = if job.cache_prompt {
             &job.prompt[..]
         } else {
@@ -267,6 +271,23 @@ fn copy_running_prefix(running: &[Request], prompt: &[u32], cache: &mut KvCache)
             cache.reset();
         }
     }
+}
+
+/// Whether a running request is prefilling a prompt that shares at least
+/// [`COPY_MIN_TOKENS`] more with `prompt` than any free cache holds: waiting for it to
+/// finish, then copying, beats prefilling the same tokens twice at once.
+fn prefix_on_its_way(running: &[Request], prompt: &[u32], free: &Slots) -> bool {
+    let have = free.longest_prefix(prompt);
+    running.iter().filter(|r| r.seq.prefilling()).any(|r| {
+        let n = r
+            .seq
+            .history()
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        n.min(prompt.len().saturating_sub(1)) >= have.max(r.seq.cache().len()) + COPY_MIN_TOKENS
+    })
 }
 
 /// Counts a request out of the queue; `false`, for `retain`, to drop it.

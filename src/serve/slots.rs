@@ -50,6 +50,12 @@ impl Slots {
         });
     }
 
+    /// The longest prefix of `prompt` a free cache holds.
+    pub fn longest_prefix(&self, prompt: &[u32]) -> usize {
+        let shared = |s: &Slot| s.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        self.free.iter().map(shared).max().unwrap_or(0)
+    }
+
     /// Takes the free cache that holds the longest prefix of `prompt`, cut to that prefix:
     /// the request then prefills only the rest.
     pub fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {

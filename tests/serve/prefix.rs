@@ -123,3 +123,34 @@ fn a_prompt_sharing_a_running_requests_prefix_copies_it_and_answers_the_same() {
     assert_eq!(reply["choices"][0]["text"], uncached["choices"][0]["text"]);
     drop(stream);
 }
+
+#[test]
+fn requests_arriving_together_with_one_system_prompt_prefill_it_once() {
+    let server = Server::start(&["--max-batch", "4"]);
+    let shared: Vec<u32> = (0..200).map(|i| 5 + (i * 13 % 600)).collect();
+    let replies: Vec<serde_json::Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4u32)
+            .map(|i| {
+                let mut prompt = shared.clone();
+                prompt.extend([30 + i, 31 + i, 32 + i]);
+                let server = &server;
+                scope.spawn(move || {
+                    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+                    server.post("/v1/completions", &body).1
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let cached: Vec<u64> = replies
+        .iter()
+        .map(|r| {
+            r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    // One prefilled the system prompt; the others waited for it and copied it.
+    let prefilled_it = cached.iter().filter(|&&c| c < shared.len() as u64).count();
+    assert_eq!(prefilled_it, 1, "cached tokens per request: {cached:?}");
+}
