@@ -70,11 +70,17 @@ def start_server(args):
 MODEL = None  # the id /v1/models lists
 
 
-def stream(port, prompt, tokens, out):
+# `--constrained`: a response_format whose replies run past any --tokens (at least 1000
+# strings), so that a masked batch decodes as many tokens as a free one.
+LONG_JSON = {"type": "json_schema", "json_schema": {"name": "lines", "schema": {
+    "type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1000}}}
+
+
+def stream(port, prompt, tokens, out, extra=None):
     """One streamed completion; appends {ttft, first, last, tokens, finish} to out."""
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tokens,
                        "temperature": 0, "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True}})
+                       "stream_options": {"include_usage": True}, **(extra or {})})
     start = time.time()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -103,10 +109,11 @@ def stream(port, prompt, tokens, out):
                 "tokens": n, "finish": finish})
 
 
-def run_round(port, count, tokens):
+def run_round(port, count, tokens, extra=None):
     out, threads = [], []
     for i in range(count):
-        t = threading.Thread(target=stream, args=(port, PROMPTS[i % len(PROMPTS)], tokens, out))
+        t = threading.Thread(target=stream,
+                             args=(port, PROMPTS[i % len(PROMPTS)], tokens, out, extra))
         threads.append(t)
         t.start()
     for t in threads:
@@ -136,6 +143,8 @@ def main():
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--constrained", action="store_true",
+                    help="also run the batch under a JSON-schema response_format (masking cost)")
     args = ap.parse_args()
     global MODEL
     proc, port, banner = start_server(args)
@@ -149,7 +158,10 @@ def main():
             cases = [("single", 1), ("batch", args.streams)]
             if r % 2:
                 cases.reverse()
-            got = {name: run_round(port, n, args.tokens) for name, n in cases}
+            if args.constrained:
+                cases.insert(1 if r % 2 else 2, ("masked", args.streams))
+            extra = {"masked": {"response_format": LONG_JSON}}
+            got = {name: run_round(port, n, args.tokens, extra.get(name)) for name, n in cases}
             got["burst"] = run_round(port, args.burst, args.tokens)
             rounds.append(got)
             print(f"round {r + 1}: " + json.dumps(got), file=sys.stderr)
@@ -173,6 +185,10 @@ def main():
         "burst_ttft_p99_s": med("burst", "ttft_p99_s"),
         "burst_ttft_p50_s": med("burst", "ttft_p50_s"),
     }
+    if args.constrained:
+        masked = med("masked", "aggregate_tok_s")
+        report["masked_batch_aggregate_tok_s"] = masked
+        report["masked_over_free"] = masked / batch if batch else 0.0
     os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
     path = os.path.join(ROOT, "target", f"bench_serve-{datetime.date.today():%Y%m%d}.json")
     with open(path, "w") as f:
@@ -183,6 +199,9 @@ def main():
     print(f"| {single:.1f} tok/s | {batch:.1f} ({report['batch_per_stream_tok_s']:.1f}) tok/s "
           f"| {report['ratio']:.2f}x | {report['burst_answered']}/{args.burst}, "
           f"{report['burst_ttft_p50_s']:.2f} s / {report['burst_ttft_p99_s']:.2f} s |")
+    if args.constrained:
+        print(f"\n{args.streams} streams under a JSON schema: {report['masked_batch_aggregate_tok_s']:.1f}"
+              f" tok/s aggregate, {report['masked_over_free']:.3f}x the free batch")
     print(f"written {path}", file=sys.stderr)
 
 
