@@ -50,14 +50,23 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     // What the KV cache of every sequence costs, and what that memory would hold.
     let cfg = loaded.model.config();
     let size = loaded.model.dtype().size_in_bytes();
-    let budget = a.max_batch * context * cfg.kv_bytes_per_token(size);
+    let per_sequence = context * cfg.kv_bytes_per_token(size);
+    // --kv-memory bounds the caches' bytes: the sequences of --context tokens that fit.
+    let max_batch = match a.kv_memory {
+        None => a.max_batch,
+        Some(bytes) if bytes < per_sequence => bail!(
+            "--kv-memory {bytes}: holds no sequence of --context {context} tokens ({per_sequence} \
+             bytes each for {name}): raise it, or lower --context"
+        ),
+        Some(bytes) => a.max_batch.min(bytes / per_sequence),
+    };
+    let budget = max_batch * per_sequence;
     let (tokens, seqs) = cfg.kv_capacity(size, 1_000_000_000, 4096);
     eprintln!(
-        "KV cache: {} bytes per token ({}), {budget} bytes for {} x {context} positions; \
+        "KV cache: {} bytes per token ({}), {budget} bytes for {max_batch} x {context} positions; \
          1 GB holds {tokens} tokens, {seqs} sequences of 4k",
         cfg.kv_bytes_per_token(size),
         cfg.attention_kind(),
-        a.max_batch,
     );
     let template = chat_template(&loaded)?;
     let tokenizer = loaded
@@ -74,7 +83,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         model_id: model_id(name),
         host: a.host,
         port: a.port,
-        max_batch: a.max_batch,
+        max_batch,
         max_queue: a.max_queue,
         context,
         api_key,

@@ -200,6 +200,21 @@ fn bad_flags_and_a_taken_port_fail_in_one_line() {
     fails(&["--context", "999"], "tiny-gqa's context length (256)");
     fails(&["--max-queue", "0"], "at least 1");
     fails(&["--api-key", ""], "must not be empty");
+    // tiny-gqa's K/V: 2048 bytes a token, 524,288 for 256 positions.
+    fails(
+        &["--kv-memory", "500K"],
+        "holds no sequence of --context 256 tokens",
+    );
+    fails(&["--kv-memory", "lots"], "--kv-memory");
+    let server = Server::start(&["--kv-memory", "1.1M", "--max-batch", "8"]);
+    assert!(
+        server.log().contains("bytes for 2 x 256 positions"),
+        "{}",
+        server.log()
+    );
+    let (_, health) = server.get("/health");
+    assert_eq!(health["max_batch"], 2, "{health}");
+    drop(server);
     let server = Server::start(&[]);
     let port = server.url.rsplit(':').next().unwrap().to_string();
     fails(&["--port", &port], "cannot listen on 127.0.0.1:");
