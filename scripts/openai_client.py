@@ -248,6 +248,59 @@ def check_structured(srv, chat_srv, model_dir):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+SMOLLM2 = ROOT / "target/models/smollm2-135m-instruct"
+
+
+def check_smollm2(binary):
+    """The same checks on a real trained model, SmolLM2-135M-Instruct in f32 (built by
+    scripts/build_smollm2.sh): greedy chat logprobs equal log_softmax of transformers' logits
+    at the ids it picks, 20 sampled json_schema replies validate, and a conversation's next
+    turn from the cache answers as without it."""
+    import jsonschema
+    import torch
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(SMOLLM2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    want = []
+    with torch.no_grad():
+        for _ in range(8):
+            lp = torch.log_softmax(model(ids).logits[0, -1].double(), -1)
+            nxt = int(lp.argmax())
+            want.append((tok.convert_ids_to_tokens(nxt), float(lp[nxt])))
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    with Server(binary, ["-m", str(SMOLLM2), "--context", "2048"]) as srv:
+        c = srv.client()
+        r = c.chat.completions.create(model=SMOLLM2.name, messages=messages, max_tokens=8,
+                                      temperature=0, logprobs=True, top_logprobs=2)
+        got = [t.logprob for t in r.choices[0].logprobs.content]
+        assert len(got) == len(want[:len(got)]) and got, (got, want)
+        for g, (_, w) in zip(got, want):
+            assert abs(g - w) < 2e-3, (got, want)
+        schema = {"type": "object",
+                  "properties": {"city": {"type": "string", "maxLength": 20},
+                                 "population": {"type": "integer", "minimum": 0},
+                                 "country": {"enum": ["France", "Italy", "Spain"]}},
+                  "required": ["city", "population", "country"], "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+        ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+        for seed in range(20):
+            r = c.chat.completions.create(model=SMOLLM2.name, messages=ask, max_tokens=60,
+                                          temperature=1.0, seed=seed, response_format=fmt)
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        turn = messages + [{"role": "assistant", "content": "The capital of France is Paris."},
+                           {"role": "user", "content": "And of Italy?"}]
+        cached = c.chat.completions.create(model=SMOLLM2.name, messages=turn, max_tokens=12,
+                                           temperature=0)
+        fresh = c.chat.completions.create(model=SMOLLM2.name, messages=turn, max_tokens=12,
+                                          temperature=0, extra_body={"cache_prompt": False})
+        assert cached.usage.prompt_tokens_details.cached_tokens > 20, cached.usage
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+        assert cached.choices[0].message.content == fresh.choices[0].message.content
+
+
 def check_concurrent(binary, srv):
     lines = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed",
              "KING RICHARD II:", "To be, or not", "MENENIUS:\nWhat work's, my countrymen",
@@ -354,6 +407,14 @@ def main():
                 ("full queue", lambda: check_full_queue(binary)),
                 ("errors", lambda: check_errors(binary, srv)),
             ]
+            if SMOLLM2.is_dir():
+                checks.append(("SmolLM2: logprobs, json_schema, cached turn",
+                               lambda: check_smollm2(binary)))
+            elif os.environ.get("TINY_DECODER_REQUIRE_SMOLLM2") == "1":
+                checks.append(("SmolLM2", lambda: (_ for _ in ()).throw(
+                    RuntimeError(f"{SMOLLM2} is missing: run scripts/build_smollm2.sh"))))
+            else:
+                print(f"SKIPPED: SmolLM2 checks ({SMOLLM2} not built)")
             for name, check in checks:
                 try:
                     check()
