@@ -83,6 +83,14 @@ impl Grammars {
         });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
         factory.quiet();
+        // Each mask is computed on the server's scheduler thread, for a grammar a client
+        // sent: a quarter of llguidance's defaults bounds a step to about 4 ms and a
+        // matcher's lexer to about 100 MB; schemas that need more are refused or cut.
+        let limits = factory.limits_mut();
+        limits.step_lexer_fuel = 50_000;
+        limits.step_max_items = 12_500;
+        limits.max_lexer_states = 62_500;
+        limits.max_grammar_size = 125_000;
         Ok(Self { factory })
     }
 
@@ -171,13 +179,16 @@ fn grammar_error(e: impl std::fmt::Display) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loader::bundled;
     use rand::{rngs::StdRng, Rng, SeedableRng};
     use serde_json::{json, Value};
 
+    fn tiny_tokenizer() -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        Tokenizer::from_file(dir.join("models/tiny-gqa/tokenizer.json")).unwrap()
+    }
+
     fn tiny() -> (Tokenizer, Grammars) {
-        let b = bundled::find("tiny-gqa").unwrap();
-        let tok = Tokenizer::from_bytes(b.tokenizer).unwrap();
+        let tok = tiny_tokenizer();
         // The model's logits are wider than the tokenizer here: the padding is never allowed.
         let grammars = Grammars::new(&tok, tok.get_vocab_size(true) + 40, &[1]).unwrap();
         (tok, grammars)
@@ -274,8 +285,7 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("not"));
         let e = grammars.compile(&Spec::Lark("root ::= \"x\"".into()));
         assert!(e.unwrap_err().to_string().starts_with("invalid grammar"));
-        let b = bundled::find("tiny-gqa").unwrap();
-        let tok = Tokenizer::from_bytes(b.tokenizer).unwrap();
+        let tok = tiny_tokenizer();
         assert!(Grammars::new(&tok, 10, &[1]).is_err());
         assert!(Grammars::new(&tok, 2000, &[]).is_err());
     }

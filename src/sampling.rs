@@ -151,7 +151,7 @@ impl Sampler {
 }
 
 /// A draw: the first of `sorted` (most likely first) where the mass walked past reaches `u`,
-/// or the last if rounding leaves some of `u` over.
+/// or the last one of non-zero probability if rounding leaves some of `u` over.
 fn walk(sorted: &[(u32, f32)], mut u: f32) -> u32 {
     for &(id, p) in sorted {
         if u < p {
@@ -159,7 +159,13 @@ fn walk(sorted: &[(u32, f32)], mut u: f32) -> u32 {
         }
         u -= p;
     }
-    sorted.last().map_or(0, |&(id, _)| id)
+    // The last token that can be drawn: never one a mask ruled out (probability 0).
+    let drawable = sorted
+        .iter()
+        .rev()
+        .find(|&&(_, p)| p > 0.0)
+        .or(sorted.last());
+    drawable.map_or(0, |&(id, _)| id)
 }
 
 /// The first index of the largest logit (NaN never wins): the maximum, then where it is.

@@ -15,6 +15,7 @@ const ROOMS: &[(&str, &str)] = &[
     ("bench", "front-end"),
     ("loader", "loading"),
     ("generate", "engine"),
+    ("grammar", "engine"),
     ("sampling", "engine"),
     ("model", "engine"),
     ("kv_cache", "engine"),

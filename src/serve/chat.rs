@@ -6,8 +6,7 @@ use super::checks;
 use super::error::ApiError;
 use super::openai::ChatRequest;
 use super::routes::{check_model, off_workers, parse, respond, Answer, Ask, Shared};
-use super::tools;
-use crate::chat::tools::ToolFormat;
+use super::tools::{self, ToolCalls};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::IntoResponse;
@@ -44,7 +43,7 @@ pub async fn apply_template(State(s): State<Shared>, body: Bytes) -> Answer {
 async fn render_chat(
     s: &Shared,
     req: &ChatRequest,
-) -> Result<(String, Option<ToolFormat>), ApiError> {
+) -> Result<(String, Option<ToolCalls>), ApiError> {
     let Some(template) = &s.template else {
         let m = format!(
             "{} has no chat template (chat_template.jinja or tokenizer_config.json): \

@@ -50,7 +50,11 @@ fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
     let Some(piece) = tokenizer.id_to_token(id) else {
         return Vec::new();
     };
-    let added = tokenizer.get_added_tokens_decoder().contains_key(&id);
+    // (`Tokenizer::get_added_tokens_decoder` clones the whole map: this one is borrowed.)
+    let added = tokenizer
+        .get_added_vocabulary()
+        .get_added_tokens_decoder()
+        .contains_key(&id);
     if !added && matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
         if let Some(bytes) = piece.chars().map(byte_level).collect::<Option<Vec<u8>>>() {
             return bytes;

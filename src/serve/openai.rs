@@ -6,7 +6,8 @@ use super::error::ApiError;
 use super::logprobs::{self, Logprobs};
 use super::request::Finish;
 use super::tools;
-use crate::chat::tools::{ToolCall, ToolFormat};
+use super::tools::ToolCalls;
+use crate::chat::tools::ToolCall;
 use crate::generate::StopReason;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -196,8 +197,8 @@ pub struct Reply {
     pub model: String,
     /// `/v1/chat/completions` (messages and deltas) rather than `/v1/completions` (text).
     pub chat: bool,
-    /// Tools were given: calls in this format become `tool_calls`.
-    pub tools: Option<ToolFormat>,
+    /// Tools were given: calls to them become `tool_calls`.
+    pub tools: Option<ToolCalls>,
 }
 
 impl Reply {
@@ -214,8 +215,8 @@ impl Reply {
         let mut reason = finish_reason(f.reason);
         let lp = self.logprobs(f.logprobs.as_deref(), 0);
         let mut message = json!({"role": "assistant", "content": f.text});
-        if let Some(format) = self.tools {
-            let (content, calls) = format.parse(&f.text);
+        if let Some(tools) = &self.tools {
+            let (content, calls) = tools.parse(&f.text);
             if !calls.is_empty() {
                 let content = (!content.is_empty()).then_some(content);
                 message = json!({"role": "assistant", "content": content,

@@ -63,6 +63,12 @@ pub enum Refused {
 }
 
 impl Queue {
+    /// Whether a request would be refused as [`Refused::Full`] now (checked before costly
+    /// preparation; [`Queue::submit`] decides).
+    pub fn full(&self) -> bool {
+        self.stats.waiting.load(Ordering::Acquire) >= self.capacity
+    }
+
     /// Queues `job` without waiting.
     pub fn submit(&self, job: Job) -> std::result::Result<(), Refused> {
         let waiting = &self.stats.waiting;
@@ -75,10 +81,11 @@ impl Queue {
             metrics.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(Refused::Full);
         }
-        metrics.received.fetch_add(1, Ordering::Relaxed);
         self.jobs.send(job).map_err(|_| {
             waiting.fetch_sub(1, Ordering::AcqRel);
             Refused::Stopped
-        })
+        })?;
+        metrics.received.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }

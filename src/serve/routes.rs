@@ -12,7 +12,7 @@ use super::queue::{Queue, Refused, Stats};
 use super::request::{Event, Job};
 use super::sse;
 use super::structured;
-use crate::chat::tools::ToolFormat;
+use super::tools::ToolCalls;
 use crate::chat::ChatTemplate;
 use crate::config::GenerationConfig;
 use crate::grammar::Grammars;
@@ -215,8 +215,8 @@ pub(super) struct Ask {
     /// `/v1/chat/completions` rather than `/v1/completions`.
     pub chat: bool,
     pub logprobs: Option<usize>,
-    /// Parse tool calls from the reply, in this format.
-    pub tools: Option<ToolFormat>,
+    /// Parse tool calls from the reply.
+    pub tools: Option<ToolCalls>,
 }
 
 pub(super) async fn respond(s: &Shared, prompt: Vec<u32>, p: &Params, ask: Ask) -> Answer {

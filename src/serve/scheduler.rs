@@ -196,29 +196,35 @@ fn turn<'t>(
         false_after(waiting)
     });
     // 3. Join: waiting requests take free caches, first come first served, each the one
-    // holding the longest prefix of its prompt.
-    while !b.free.is_empty() && !b.waiting.is_empty() {
-        let Some(job) = b.waiting.pop_front() else {
+    // holding the longest prefix of its prompt. One whose prefix a running request is still
+    // prefilling keeps its place until then (to copy it), and the ones behind it go ahead.
+    let mut next = 0;
+    while !b.free.is_empty() && next < b.waiting.len() {
+        let job = &b.waiting[next];
+        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.free) {
+            next += 1;
+            continue;
+        }
+        let Some(job) = b.waiting.remove(next) else {
             break;
         };
-        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.free) {
-            b.waiting.push_front(job); // admitted once that prefill is done, to copy it
-            break;
-        }
         let reuse = if job.cache_prompt {
             &job.prompt[..]
         } else {
             &[]
         };
         let Some(mut cache) = b.free.take(reuse) else {
-            b.waiting.push_front(job);
+            b.waiting.insert(next, job);
             break;
         };
         copy_running_prefix(&b.running, reuse, &mut cache);
         waiting.fetch_sub(1, Ordering::AcqRel);
         match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
             Ok(req) => b.running.push(req),
-            Err(cache) => b.free.give_back(cache, None),
+            Err(cache) => {
+                s.stats.metrics.finished(Ended::Error);
+                b.free.give_back(cache, None);
+            }
         }
         fault.at(fault::Point::Admit);
     }

@@ -7,6 +7,9 @@
 
 use crate::kv_cache::KvCache;
 
+/// Fewest shared tokens for a cache's prefix to be worth reusing over an empty cache.
+const WORTH_KEEPING: usize = 32;
+
 /// A cache and what it holds.
 pub struct Slot {
     pub cache: KvCache,
@@ -57,14 +60,17 @@ impl Slots {
     }
 
     /// Takes the free cache that holds the longest prefix of `prompt`, cut to that prefix:
-    /// the request then prefills only the rest.
+    /// the request then prefills only the rest. A prefix shorter than [`WORTH_KEEPING`]
+    /// tokens (a chat template's opening, shared by every conversation) counts as none: then
+    /// an empty cache, else the one used longest ago, rather than cut a cached conversation.
     pub fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {
         let shared = |s: &Slot| s.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let worth = |s: &Slot| Some(shared(s)).filter(|&n| n >= WORTH_KEEPING).unwrap_or(0);
         let (at, _) = self
             .free
             .iter()
             .enumerate()
-            .max_by_key(|(_, s)| (shared(s), std::cmp::Reverse(s.returned)))?;
+            .max_by_key(|(_, s)| (worth(s), s.ids.is_empty(), std::cmp::Reverse(s.returned)))?;
         let slot = self.free.swap_remove(at);
         let n = shared(&slot);
         let mut cache = slot.cache;

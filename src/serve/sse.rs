@@ -73,7 +73,7 @@ impl Chunks {
         let usage = self.include_usage;
         let end = match event {
             Some(Event::Text(p)) => {
-                let text = match self.reply.tools {
+                let text = match self.reply.tools.as_ref().map(|t| t.format) {
                     Some(format) => self.release(format, &p.text),
                     None => p.text,
                 };
@@ -94,12 +94,28 @@ impl Chunks {
             Some(Event::Done(f)) => {
                 let mut reason = finish_reason(f.reason);
                 let mut out = String::new();
-                if let Some(format) = self.reply.tools {
-                    let (_, calls) = format.parse(&f.text);
-                    let rest = &self.held[self.released..];
-                    if calls.is_empty() && !rest.is_empty() {
-                        out += &data(&self.reply.chunk(Some((rest, None)), self.sent, None, usage));
-                    } else if !calls.is_empty() {
+                if let Some(tools) = &self.reply.tools {
+                    let (content, calls) = tools.parse(&f.text);
+                    // Not calls: the text held back is content. Calls: the content beyond
+                    // what went out before them (text between and after Hermes calls).
+                    let rest = match calls.is_empty() {
+                        true => self.held[self.released..].to_string(),
+                        false => {
+                            let sent = self.held[..self.released].trim();
+                            content
+                                .strip_prefix(sent)
+                                .unwrap_or("")
+                                .trim_start()
+                                .to_string()
+                        }
+                    };
+                    if !rest.is_empty() {
+                        let chunk = self
+                            .reply
+                            .chunk(Some((&rest, None)), self.sent, None, usage);
+                        out += &data(&chunk);
+                    }
+                    if !calls.is_empty() {
                         out += &data(&self.reply.tool_calls_chunk(&calls));
                         reason = "tool_calls";
                     }
@@ -156,8 +172,13 @@ mod tests {
     use super::*;
     use crate::generate::StopReason;
     use crate::serve::request::{Finish, Piece};
+    use crate::serve::tools::ToolCalls;
 
-    fn chunks(tools: Option<ToolFormat>) -> Chunks {
+    fn chunks(format: Option<ToolFormat>) -> Chunks {
+        let tools = format.map(|format| ToolCalls {
+            format,
+            names: vec!["f".into()],
+        });
         let (_, events) = tokio::sync::mpsc::unbounded_channel();
         let reply = Reply {
             id: "chatcmpl-1".into(),
@@ -231,6 +252,32 @@ mod tests {
         let last = &events[events.len() - 2];
         assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
         assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+
+        // Text after the call goes out too, as in the whole reply's content.
+        let mut c = chunks(Some(ToolFormat::Hermes));
+        let reply = format!("{call}\nI will check.");
+        let mut out = c.bytes(text(&reply));
+        out += &c.bytes(done(&reply));
+        let content: String = parse(&out)
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "I will check.");
+        // A call to a function that was not offered is text.
+        let mut c = chunks(Some(ToolFormat::Hermes));
+        let other = call.replace("\"f\"", "\"rm_rf\"");
+        let mut out = c.bytes(text(&other));
+        out += &c.bytes(done(&other));
+        let events = parse(&out);
+        let content: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, other);
+        assert_eq!(
+            events[events.len() - 2]["choices"][0]["finish_reason"],
+            "stop"
+        );
     }
 
     #[test]

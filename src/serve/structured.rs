@@ -15,6 +15,11 @@ pub async fn constraint(s: &Shared, p: &Params) -> Result<Option<Constraint>, Ap
     let Some(spec) = checks::response_format(p.response_format.as_ref())? else {
         return Ok(None);
     };
+    // Compiling costs up to a few ms of a blocking thread: not for a request that the full
+    // queue would refuse anyway.
+    if s.queue.full() {
+        return Err(ApiError::busy(s.queue.capacity));
+    }
     let field = "response_format";
     off_workers(s, move |s| {
         let grammars = s.grammars.get_or_init(|| {

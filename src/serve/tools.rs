@@ -51,10 +51,7 @@ pub fn chosen(
     tools: Option<&Vec<Value>>,
     choice: Option<&Value>,
     template: &ChatTemplate,
-) -> Result<Option<(Value, Option<ToolFormat>)>, ApiError> {
-    let Some(tools) = tools.filter(|t| !t.is_empty()) else {
-        return Ok(None);
-    };
+) -> Result<Option<(Value, Option<ToolCalls>)>, ApiError> {
     match choice.and_then(Value::as_str) {
         None if choice.is_none() => {}
         Some("auto") => {}
@@ -64,6 +61,9 @@ pub fn chosen(
             return Err(ApiError::bad_field("tool_choice", m));
         }
     }
+    let Some(tools) = tools.filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
     if tools.iter().any(|t| {
         t.pointer("/function/name")
             .and_then(Value::as_str)
@@ -78,7 +78,35 @@ pub fn chosen(
         let m = "this model's chat template does not take tools: leave tools out";
         return Err(ApiError::bad_field("tools", m));
     }
-    Ok(Some((Value::Array(tools.clone()), template.tool_format())))
+    let calls = template.tool_format().map(|format| ToolCalls {
+        format,
+        names: tools
+            .iter()
+            .filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+            .map(str::to_string)
+            .collect(),
+    });
+    Ok(Some((Value::Array(tools.clone()), calls)))
+}
+
+/// How to read a reply's tool calls: the template's format, and the functions that were
+/// offered (a call to any other is not a call but text).
+#[derive(Debug, Clone)]
+pub struct ToolCalls {
+    pub format: ToolFormat,
+    pub names: Vec<String>,
+}
+
+impl ToolCalls {
+    /// The reply's content and calls, as [`ToolFormat::parse`], with no calls when any
+    /// names a function that was not offered.
+    pub fn parse(&self, text: &str) -> (String, Vec<ToolCall>) {
+        let (content, calls) = self.format.parse(text);
+        match calls.iter().all(|c| self.names.contains(&c.name)) {
+            true => (content, calls),
+            false => (text.to_string(), Vec::new()),
+        }
+    }
 }
 
 /// Calls in OpenAI's shape: ids, `type`, arguments as a JSON string. With `index` for a

@@ -154,3 +154,29 @@ fn requests_arriving_together_with_one_system_prompt_prefill_it_once() {
     let prefilled_it = cached.iter().filter(|&&c| c < shared.len() as u64).count();
     assert_eq!(prefilled_it, 1, "cached tokens per request: {cached:?}");
 }
+
+#[test]
+fn a_new_conversation_takes_an_empty_cache_rather_than_cut_a_cached_one() {
+    let server = Server::start(&["--max-batch", "2"]);
+    // A conversation's turn, cached when it ends.
+    let first: Vec<u32> = (0..120).map(|i| 3 + (i * 7 % 300)).collect();
+    let (ids, _) = completion_ids(&server, &first, 6);
+    // Another conversation with the same opening tokens (a chat template's), then more.
+    let mut other = first[..10].to_vec();
+    other.extend((0..40).map(|i| 400 + i));
+    let (_, usage) = completion_ids(&server, &other, 4);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    // The first conversation's next turn still finds all of it.
+    let mut next = first.clone();
+    next.extend(&ids);
+    next.extend([9, 10]);
+    let body = json!({"prompt": next, "max_tokens": 2, "temperature": 0});
+    let (_, reply) = server.post("/v1/completions", &body);
+    let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, (first.len() + ids.len() - 1) as u64, "{reply}");
+}

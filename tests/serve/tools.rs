@@ -109,6 +109,7 @@ fn tools_that_cannot_be_honoured_answer_400() {
             json!({"tools": [{"type": "function", "function": {}}]}),
             "tools",
         ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
     ];
     for (extra, field) in cases {
         let mut body = json!({"messages": messages, "max_tokens": 1});
