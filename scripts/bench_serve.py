@@ -9,6 +9,8 @@ raw prompts often draw an EOS at once; a request that ends before N tokens is co
   single:   one request alone                      -> its decode tok/s
   batch:    `--streams` (8) requests at once        -> aggregate decode tok/s
   burst:    `--burst` (32) requests at once          -> every one answered, TTFT p50/p99
+  masked:   with `--constrained`, the batch under a JSON-schema response_format whose
+            replies outrun `--tokens`               -> masked / free aggregate (its cost)
 
 A request's decode tok/s is (completion tokens - 1) / (time of last chunk - time of first
 chunk); the aggregate is all completion tokens after each one's first, over the span from the
@@ -16,7 +18,7 @@ first first-chunk to the last last-chunk. Medians over `--rounds`. Python stdlib
 
 usage:
   scripts/bench_serve.py [--model target/models/smollm2-135m-instruct] [--dtype f32]
-      [--tokens 128] [--streams 8] [--burst 32] [--rounds 3] [--max-batch 8]
+      [--tokens 128] [--streams 8] [--burst 32] [--rounds 3] [--max-batch 8] [--constrained]
 Writes target/bench_serve-DATE.json and prints a markdown table.
 """
 import argparse
