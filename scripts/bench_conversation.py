@@ -71,9 +71,12 @@ def turn(port, messages, tokens, cache):
     return "".join(text), usage, (first or time.time()) - start
 
 
-def replay(port, args, cache, fixed=None):
-    """The conversation; `fixed`: the replies of an earlier replay, sent as they were."""
-    messages = [{"role": "system", "content": "You are a knowledgeable, friendly guide."}]
+def replay(port, args, cache, session, fixed=None):
+    """The conversation; `fixed`: the replies of an earlier replay, sent as they were.
+    `session` makes the system prompt differ from every other replay's, so that turn 1
+    finds nothing cached, as a new conversation's first turn."""
+    system = f"You are a knowledgeable, friendly guide (session {session})."
+    messages = [{"role": "system", "content": system}]
     rows = []
     for i in range(args.turns):
         messages.append({"role": "user",
@@ -96,13 +99,13 @@ def main():
     args = ap.parse_args()
     proc, port = start_server(args.model)
     try:
-        first = replay(port, args, True)
+        first = replay(port, args, True, 0)
         runs = {True: [first], False: []}
         for r in range(args.rounds):
             for cache in (False, True):  # alternating
                 if r == 0 and cache:
                     continue
-                runs[cache].append(replay(port, args, cache, first))
+                runs[cache].append(replay(port, args, cache, 1 + len(runs[True]) + len(runs[False]), first))
     finally:
         proc.kill()
     med = lambda cache, i, key: statistics.median(run[i][key] for run in runs[cache])
