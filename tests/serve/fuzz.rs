@@ -25,6 +25,9 @@ fn number() -> impl Strategy<Value = Value> {
 
 fn value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
+        Just(json!({"type": "json_object"})),
+        Just(json!({"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}})),
+        Just(json!([{"type": "function", "function": {"name": "f"}}])),
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
         number(),
@@ -41,7 +44,7 @@ fn value() -> impl Strategy<Value = Value> {
     })
 }
 
-const FIELDS: [&str; 17] = [
+const FIELDS: [&str; 27] = [
     "prompt",
     "messages",
     "max_tokens",
@@ -59,6 +62,16 @@ const FIELDS: [&str; 17] = [
     "model",
     "ignore_eos",
     "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "cache_prompt",
+    "grammar",
+    "frequency_penalty",
+    "logit_bias",
+    "echo",
 ];
 
 /// A request that starts valid and has some fields replaced.
