@@ -218,6 +218,14 @@ mod tests {
         }))
     }
 
+    /// The text of a stream's content deltas.
+    fn content_of(events: &[Value]) -> String {
+        events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect()
+    }
+
     /// The `data:` payloads of a stream's bytes, as JSON (`[DONE]` as a string).
     fn parse(bytes: &str) -> Vec<Value> {
         bytes
@@ -237,10 +245,7 @@ mod tests {
         }
         out += &c.bytes(done(&format!("Sure. {call}")));
         let events = parse(&out);
-        let content: String = events
-            .iter()
-            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-            .collect();
+        let content = content_of(&events);
         assert_eq!(content, "Sure. ");
         let calls = events
             .iter()
@@ -258,10 +263,7 @@ mod tests {
         let reply = format!("{call}\nI will check.");
         let mut out = c.bytes(text(&reply));
         out += &c.bytes(done(&reply));
-        let content: String = parse(&out)
-            .iter()
-            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-            .collect();
+        let content = content_of(&parse(&out));
         assert_eq!(content, "I will check.");
         // A call to a function that was not offered is text.
         let mut c = chunks(Some(ToolFormat::Hermes));
@@ -269,10 +271,7 @@ mod tests {
         let mut out = c.bytes(text(&other));
         out += &c.bytes(done(&other));
         let events = parse(&out);
-        let content: String = events
-            .iter()
-            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-            .collect();
+        let content = content_of(&events);
         assert_eq!(content, other);
         assert_eq!(
             events[events.len() - 2]["choices"][0]["finish_reason"],
@@ -287,10 +286,7 @@ mod tests {
         out += &c.bytes(text("}"));
         out += &c.bytes(done("{not a call}"));
         let events = parse(&out);
-        let content: String = events
-            .iter()
-            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-            .collect();
+        let content = content_of(&events);
         assert_eq!(content, "{not a call}");
         let last = &events[events.len() - 2];
         assert_eq!(last["choices"][0]["finish_reason"], "stop");

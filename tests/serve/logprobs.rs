@@ -20,20 +20,26 @@ fn log_softmax(logits: &[f32]) -> Vec<f64> {
         .collect()
 }
 
-/// The log-softmax of the model's logits at each generated position: `prompt`, then each
-/// of `generated` fed through the cache.
-fn reference(prompt: &[u32], generated: &[u32]) -> Vec<Vec<f64>> {
+/// Greedy decoding of `n` tokens after `prompt` by the library: each id, with the
+/// log-softmax of the logits it was picked from.
+fn greedy(prompt: &[u32], n: usize) -> Vec<(u32, Vec<f64>)> {
     let b = bundled::find(MODEL).unwrap();
     let loaded = load_bundled(b, DType::F32, &Device::Cpu).unwrap();
     let model = &loaded.model;
     let mut cache = KvCache::new(model.config(), 256, DType::F32, &Device::Cpu).unwrap();
     let mut logits = model.next_logits(prompt, &mut cache).unwrap();
     let mut out = Vec::new();
-    for &id in generated {
-        out.push(log_softmax(&logits));
+    for _ in 0..n {
+        let id = tiny_decoder::sampling::argmax(&logits);
+        out.push((id, log_softmax(&logits)));
         logits = model.next_logits(&[id], &mut cache).unwrap();
     }
     out
+}
+
+/// The greedy ids of `n` tokens after `prompt`, by the library.
+pub fn greedy_ids(prompt: &[u32], n: usize) -> Vec<u32> {
+    greedy(prompt, n).into_iter().map(|(id, _)| id).collect()
 }
 
 #[test]
@@ -50,11 +56,10 @@ fn greedy_logprobs_equal_the_log_softmax_of_our_logits() {
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 12);
     // The chosen ids, from the greedy reply with the ids of the alternatives: the model's
     // argmax is the first alternative, and it is the token chosen.
-    let want_ids = greedy_ids(&prompt, 12);
-    let want = reference(&prompt, &want_ids);
-    for (i, (got, id)) in tokens.iter().zip(&want_ids).enumerate() {
+    let want = greedy(&prompt, 12);
+    for (i, (got, (id, log_probs))) in tokens.iter().zip(&want).enumerate() {
         let got = got.as_f64().unwrap();
-        let expected = want[i][*id as usize];
+        let expected = log_probs[*id as usize];
         assert!(
             (got - expected).abs() < 1e-3,
             "token {i}: {got} vs {expected}"
@@ -111,22 +116,6 @@ fn greedy_logprobs_equal_the_log_softmax_of_our_logits() {
         .map(|v| v.as_u64().unwrap())
         .collect();
     assert_eq!(offsets_streamed, offsets);
-}
-
-/// The greedy ids of `n` tokens after `prompt`, by the library.
-pub fn greedy_ids(prompt: &[u32], n: usize) -> Vec<u32> {
-    let b = bundled::find(MODEL).unwrap();
-    let loaded = load_bundled(b, DType::F32, &Device::Cpu).unwrap();
-    let model = &loaded.model;
-    let mut cache = KvCache::new(model.config(), 256, DType::F32, &Device::Cpu).unwrap();
-    let mut logits = model.next_logits(prompt, &mut cache).unwrap();
-    let mut ids = Vec::new();
-    for _ in 0..n {
-        let id = tiny_decoder::sampling::argmax(&logits);
-        ids.push(id);
-        logits = model.next_logits(&[id], &mut cache).unwrap();
-    }
-    ids
 }
 
 #[test]
