@@ -113,3 +113,50 @@ fn model_id(model: &str) -> String {
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| model.to_string())
 }
+
+/// A size in bytes: a number, or one with K, M, G (powers of 1000) or KiB, MiB, GiB.
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?}: use K, M, G, KiB, MiB or GiB"
+            ))
+        }
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 2G)"))?;
+    let bytes = n * scale;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < usize::MAX as f64) {
+        return Err(format!("{s:?} is not a size of at least 1 byte"));
+    }
+    Ok(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_with_units() {
+        assert_eq!(parse_bytes("1500"), Ok(1500));
+        assert_eq!(parse_bytes("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(1_610_612_736));
+        assert_eq!(parse_bytes("512M"), Ok(512_000_000));
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("2X").is_err());
+        assert!(parse_bytes("G").is_err());
+    }
+}

@@ -16,7 +16,7 @@ use super::fault;
 use super::metrics::Ended;
 use super::queue::{Queue, Stats};
 use super::request::{Event, Job, Request};
-use super::slots::Slots;
+use super::slots::{common_prefix, Slots};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::model::{Feed, Transformer};
@@ -263,7 +263,7 @@ const COPY_MIN_TOKENS: usize = 32;
 fn copy_running_prefix(running: &[Request], prompt: &[u32], cache: &mut KvCache) {
     let shared = |r: &&Request| {
         let held = &r.seq.history()[..r.seq.cache().len()];
-        let n = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let n = common_prefix(held, prompt);
         // The prompt's last token is always fed (its logits start the reply).
         n.min(prompt.len().saturating_sub(1)).min(cache.capacity())
     };
@@ -285,13 +285,7 @@ fn copy_running_prefix(running: &[Request], prompt: &[u32], cache: &mut KvCache)
 fn prefix_on_its_way(running: &[Request], prompt: &[u32], free: &Slots) -> bool {
     let have = free.longest_prefix(prompt);
     running.iter().filter(|r| r.seq.prefilling()).any(|r| {
-        let n = r
-            .seq
-            .history()
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let n = common_prefix(r.seq.history(), prompt);
         n.min(prompt.len().saturating_sub(1)) >= have.max(r.seq.cache().len()) + COPY_MIN_TOKENS
     })
 }

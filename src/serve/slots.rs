@@ -7,6 +7,11 @@
 
 use crate::kv_cache::KvCache;
 
+/// How many leading tokens `a` and `b` share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// Fewest shared tokens for a cache's prefix to be worth reusing over an empty cache.
 const WORTH_KEEPING: usize = 32;
 
@@ -55,7 +60,7 @@ impl Slots {
 
     /// The longest prefix of `prompt` a free cache holds.
     pub fn longest_prefix(&self, prompt: &[u32]) -> usize {
-        let shared = |s: &Slot| s.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let shared = |s: &Slot| common_prefix(&s.ids, prompt);
         self.free.iter().map(shared).max().unwrap_or(0)
     }
 
@@ -64,7 +69,7 @@ impl Slots {
     /// tokens (a chat template's opening, shared by every conversation) counts as none: then
     /// an empty cache, else the one used longest ago, rather than cut a cached conversation.
     pub fn take(&mut self, prompt: &[u32]) -> Option<KvCache> {
-        let shared = |s: &Slot| s.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let shared = |s: &Slot| common_prefix(&s.ids, prompt);
         let worth = |s: &Slot| Some(shared(s)).filter(|&n| n >= WORTH_KEEPING).unwrap_or(0);
         let (at, _) = self
             .free
