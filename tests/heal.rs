@@ -8,6 +8,7 @@ mod common;
 use candle_core::Device;
 use common::{fails, run_json, stories260k};
 use std::path::PathBuf;
+use tiny_decoder::convert::heal::Heal;
 use tiny_decoder::convert::{self, Request};
 use tiny_decoder::eval;
 use tiny_decoder::loader::{self, DTypeArg, Loaded};
@@ -17,7 +18,16 @@ fn heldout() -> String {
     std::fs::read_to_string(path).unwrap()
 }
 
-fn convert(model: &str, spec: &str, heal: Option<usize>) -> (Loaded, convert::Report) {
+/// Layer-wise healing only: `layer_steps` per layer, no end-to-end training.
+fn layer_wise(layer_steps: usize) -> Option<Heal> {
+    Some(Heal {
+        layer_steps,
+        steps: 0,
+        tokens: 0,
+    })
+}
+
+fn convert(model: &str, spec: &str, heal: Option<Heal>) -> (Loaded, convert::Report) {
     let source = loader::open(model).unwrap();
     let req = Request {
         spec: spec.parse().unwrap(),
@@ -42,10 +52,11 @@ fn healing_lowers_the_nll_of_lossy_conversions_on_held_out_text() {
     for spec in ["mqa", "lowrank:16"] {
         let (plain, plain_report) = convert(&dir, spec, None);
         assert!(plain_report.heal.is_none());
-        let (healed, report) = convert(&dir, spec, Some(30));
+        let (healed, report) = convert(&dir, spec, layer_wise(30));
         let h = report.heal.expect("a heal report");
         assert_eq!(h.layers.len(), 5, "{spec}");
         assert_eq!(h.steps, 30);
+        assert!(h.end_to_end.is_none());
         let (before, after) = h.mean_error();
         assert!(after < before, "{spec}: output error {before} -> {after}");
         let (a, b) = (nll(&plain, &text), nll(&healed, &text));
@@ -54,12 +65,44 @@ fn healing_lowers_the_nll_of_lossy_conversions_on_held_out_text() {
     }
 }
 
+/// End to end after the layer-wise fit, on text stories260K writes itself (no calibration
+/// text given): the held-out windows' loss falls, and so does the NLL on a passage neither
+/// saw, below the layer-wise fit's.
+#[test]
+fn healing_end_to_end_beats_the_layer_wise_fit() {
+    let Some(dir) = stories260k() else { return };
+    let text = heldout();
+    let (layered, _) = convert(&dir, "mqa", layer_wise(30));
+    let heal = Heal {
+        layer_steps: 30,
+        steps: 40,
+        tokens: 8192,
+    };
+    let (whole, report) = convert(&dir, "mqa", Some(heal));
+    let h = report.heal.expect("a heal report");
+    let d = h.end_to_end.expect("an end-to-end report");
+    assert_eq!(d.steps, 40);
+    assert!(d.tokens >= 6000, "{} tokens trained on", d.tokens);
+    assert!(
+        d.after < d.before,
+        "held-out loss {} -> {}",
+        d.before,
+        d.after
+    );
+    let (a, b) = (nll(&layered, &text), nll(&whole, &text));
+    eprintln!(
+        "mqa: NLL layer-wise {a:.4}, end to end {b:.4}; held-out loss {:.4} -> {:.4}",
+        d.before, d.after
+    );
+    assert!(b < a - 0.05, "end to end {b} against layer-wise {a}");
+}
+
 /// An exact conversion has nothing to heal: `--heal` leaves it exact and says so by
 /// reporting no healing.
 #[test]
 fn exact_conversions_are_not_healed() {
     let Some(dir) = stories260k() else { return };
-    let (_, report) = convert(&dir, "mha", Some(5));
+    let (_, report) = convert(&dir, "mha", layer_wise(5));
     assert!(report.plan.is_exact());
     assert!(report.heal.is_none());
 }
@@ -81,9 +124,14 @@ fn convert_writes_the_healed_model() {
         "--heal",
         "--heal-steps",
         "5",
+        "--heal-e2e-steps",
+        "4",
+        "--heal-tokens",
+        "2048",
     ];
     let written = run_json(&[&["convert", "--out", o][..], &args[..]].concat());
     assert_eq!(written["heal_steps"], 5);
+    assert_eq!(written["heal_e2e_steps"], 4);
     assert!(
         written["heal_error_after"].as_f64().unwrap()
             < written["heal_error_before"].as_f64().unwrap()
@@ -129,6 +177,11 @@ fn what_healing_cannot_do_is_a_one_line_error() {
         eval(&["--attention", "mqa", "--heal", "--heal-steps", "0"]),
         &[],
         "--heal-steps 0",
+    );
+    fails(
+        eval(&["--attention", "mqa", "--heal", "--heal-tokens", "100"]),
+        &[],
+        "--heal-tokens 100: give at least 512",
     );
     // About 200 tokens: enough for the aware fit (64, the hidden size), not for healing.
     let short = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("heal-short.txt");

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 const ROOMS: &[(&str, &str)] = &[
     ("cli", "front-end"),
     ("serve", "front-end"),
-    ("chat", "front-end"),
     ("convert", "front-end"),
+    ("chat", "front-end"),
     ("eval", "front-end"),
     ("bench", "front-end"),
     ("loader", "loading"),

@@ -29,6 +29,7 @@ mod time;
 
 use super::tools::ToolFormat;
 use crate::error::{Error, Result};
+use crate::loader::TokenizerMeta;
 use minijinja::value::{Serde, Value};
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
@@ -94,6 +95,15 @@ impl ChatTemplate {
             reads_tools: source.contains("tools"),
             tool_format: ToolFormat::detect(&source),
         })
+    }
+
+    /// The checkpoint's chat template, with the bos/eos strings it is rendered with; `None`
+    /// when it has none.
+    pub fn from_meta(meta: &TokenizerMeta) -> Result<Option<Self>> {
+        let Some(source) = &meta.chat_template else {
+            return Ok(None);
+        };
+        Self::new(source, meta.bos_token.as_deref(), meta.eos_token.as_deref()).map(Some)
     }
 
     /// Whether the template reads the `tools` variable (else tools given to it would be lost).

@@ -74,13 +74,22 @@ pub struct Placement {
 #[derive(Args, Clone)]
 pub struct HealArgs {
     /// After a lossy gqa:G, mqa or lowrank:R conversion, fit each layer's new attention to
-    /// the original's output on the calibration text (least squares and AdamW, layer by
-    /// layer; minutes for a 135M model on 2 cores).
+    /// the original's output (least squares and AdamW, layer by layer), then train them all
+    /// together towards the original's next-token distribution, on text the original writes
+    /// itself unless --calibration is given (about 20 minutes for a 135M model on 2 cores).
     #[arg(long)]
     pub heal: bool,
     /// Optimiser steps per layer for --heal.
     #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::STEPS, requires = "heal")]
     pub heal_steps: usize,
+    /// Optimiser steps of --heal's end-to-end training after the layer-wise fit (every
+    /// converted layer at once, towards the original's next-token distribution); 0: none.
+    #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::E2E_STEPS, requires = "heal")]
+    pub heal_e2e_steps: usize,
+    /// Tokens of text the original model writes itself (batched sampling from varied short
+    /// prompts, through its chat template) for --heal without --calibration.
+    #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::TOKENS, requires = "heal")]
+    pub heal_tokens: usize,
 }
 
 #[derive(Args)]

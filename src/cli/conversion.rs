@@ -46,7 +46,9 @@ pub(super) fn show_progress(
 ) {
     bar.set_message(match stage {
         convert::Stage::Calibrating => "calibrating (tokens)",
+        convert::Stage::Writing => "writing calibration text (tokens)",
         convert::Stage::Healing => "healing (layers)",
+        convert::Stage::Distilling => "healing end to end (steps)",
         convert::Stage::Converting => "converting (tensors)",
     });
     bar.set_length(total as u64);
@@ -72,10 +74,23 @@ pub(super) fn request(
             convert::heal::STEPS
         );
     }
+    let least = 2 * convert::heal::WINDOW;
+    if heal.heal && heal.heal_e2e_steps > 0 && calibration.is_none() && heal.heal_tokens < least {
+        anyhow::bail!(
+            "--heal-tokens {}: give at least {least} (two windows of {}; the default is {})",
+            heal.heal_tokens,
+            convert::heal::WINDOW,
+            convert::heal::TOKENS
+        );
+    }
     Ok(convert::Request {
         spec: spec.parse()?,
         calibration,
-        heal: heal.heal.then_some(heal.heal_steps),
+        heal: heal.heal.then_some(convert::heal::Heal {
+            layer_steps: heal.heal_steps,
+            steps: heal.heal_e2e_steps,
+            tokens: heal.heal_tokens,
+        }),
     })
 }
 
@@ -114,6 +129,13 @@ pub(super) fn add_heal(out: &mut serde_json::Value, h: &convert::HealReport) {
     out["heal_tokens"] = json!(h.tokens);
     out["heal_error_before"] = json!(before);
     out["heal_error_after"] = json!(after);
+    if let Some(d) = &h.end_to_end {
+        out["heal_e2e_steps"] = json!(d.steps);
+        out["heal_e2e_tokens"] = json!(d.tokens);
+        out["heal_e2e_secs"] = json!(d.secs);
+        out["heal_e2e_loss_before"] = json!(d.before);
+        out["heal_e2e_loss_after"] = json!(d.after);
+    }
 }
 
 /// One line on what a conversion did.

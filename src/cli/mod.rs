@@ -62,12 +62,7 @@ fn tokenizer<'a>(loaded: &'a Loaded, model: &str) -> Result<&'a TextTokenizer> {
 /// The model's chat template, with the bos/eos strings it is rendered with; `None` when the
 /// checkpoint has none.
 fn chat_template(loaded: &Loaded) -> Result<Option<ChatTemplate>> {
-    let meta = &loaded.meta;
-    let Some(source) = &meta.chat_template else {
-        return Ok(None);
-    };
-    let template = ChatTemplate::new(source, meta.bos_token.as_deref(), meta.eos_token.as_deref())?;
-    Ok(Some(template))
+    Ok(ChatTemplate::from_meta(&loaded.meta)?)
 }
 
 /// The attention fields `info` reports: K/V heads, or MLA's latent widths.

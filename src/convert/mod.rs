@@ -15,6 +15,7 @@ pub mod heal;
 pub mod linalg;
 pub mod lowrank;
 pub mod mla;
+pub mod own_text;
 pub mod plan;
 pub mod spec;
 mod tensors;
@@ -40,12 +41,12 @@ use std::time::Instant;
 pub const DEFAULT_CALIBRATION: &str = include_str!("../../data/calibration.txt");
 
 /// A conversion asked for: the spec, the calibration text (`None`: the default), and
-/// `--heal`'s optimiser steps per layer (`None`: no healing).
+/// what `--heal` does (`None`: no healing).
 #[derive(Debug, Clone)]
 pub struct Request {
     pub spec: Spec,
     pub calibration: Option<String>,
-    pub heal: Option<usize>,
+    pub heal: Option<heal::Heal>,
 }
 
 /// What a conversion did, for the reports.
@@ -67,6 +68,8 @@ pub struct HealReport {
     pub steps: usize,
     pub tokens: usize,
     pub layers: Vec<heal::Fit>,
+    /// The end-to-end training after the layer-wise fit, when there was one.
+    pub end_to_end: Option<heal::Distilled>,
 }
 
 impl HealReport {
@@ -81,10 +84,14 @@ impl HealReport {
 /// What a conversion is doing, for a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
+    /// The original writing its own calibration text (tokens).
+    Writing,
     /// Running the original over the calibration text (tokens).
     Calibrating,
     /// Healing the converted attention (layers).
     Healing,
+    /// Training every converted layer together (steps).
+    Distilling,
     /// Writing the converted tensors (tensors).
     Converting,
 }
@@ -118,10 +125,20 @@ impl Conversion {
         let healing = req.heal.filter(|_| !plan.is_exact());
         let mut calibration = Calibration::default();
         if aware || healing.is_some() {
-            calibration = calibrate(source, req, aware, healing.is_some(), &mut progress)?;
+            calibration = calibrate(source, req, aware, healing, &mut progress)?;
         }
         let mut healer = match (healing, &calibration.windows) {
-            (Some(steps), Some(windows)) => Some(heal::Healer::new(cfg, windows, steps)?),
+            (Some(h), Some(windows)) => {
+                let whole = match &calibration.targets {
+                    Some(targets) if h.steps > 0 => Some(heal::EndToEnd {
+                        frozen: heal::Frozen::load(&*stored.backend, cfg)?,
+                        targets,
+                        steps: h.steps,
+                    }),
+                    _ => None,
+                };
+                Some(heal::Healer::new(cfg, windows, h.layer_steps, whole)?)
+            }
             _ => None,
         };
         let replaced = tensors::fit(
@@ -131,7 +148,7 @@ impl Conversion {
             &*stored.backend,
             calibration.moments.as_ref(),
             healer.as_mut(),
-            |done, n| progress(Stage::Healing, done, n),
+            &mut progress,
         )?;
         Ok(Self {
             plan,
@@ -236,6 +253,8 @@ fn heads(cfg: &ModelConfig, plan: &Plan, heal: bool) -> Result<Heads> {
 struct Calibration {
     moments: Option<Moments>,
     windows: Option<Vec<Tensor>>,
+    /// The original's next-token distribution, for end-to-end healing.
+    targets: Option<heal::Targets>,
     tokens: usize,
 }
 
@@ -245,17 +264,23 @@ fn calibrate(
     source: &Source,
     req: &Request,
     moments: bool,
-    windows: bool,
+    heal: Option<heal::Heal>,
     progress: &mut impl FnMut(Stage, usize, usize),
 ) -> Result<Calibration> {
     let original = source.load(DTypeArg::Fixed(DType::F32), &Device::Cpu)?;
-    let text = req.calibration.as_deref().unwrap_or(DEFAULT_CALIBRATION);
     let tokenizer = original.tokenizer.as_ref().ok_or_else(|| {
         Error::Invalid(
             "--attention: method=aware and --heal need the model's tokenizer.json".into(),
         )
     })?;
-    let ids = tokenizer.encode(text)?;
+    let ids = match (&req.calibration, heal) {
+        (Some(text), _) => tokenizer.encode(text)?,
+        // Training end to end wants far more text than ships: the original writes it.
+        (None, Some(h)) if h.steps > 0 => own_text::write(&original, h.tokens, 0, |done, n| {
+            progress(Stage::Writing, done, n)
+        })?,
+        (None, _) => tokenizer.encode(DEFAULT_CALIBRATION)?,
+    };
     let mut out = Calibration {
         tokens: ids.len(),
         ..Default::default()
@@ -266,12 +291,18 @@ fn calibrate(
         })?;
         out.moments = Some(m);
     }
-    if windows {
+    if let Some(h) = heal {
         let (window, count) = (heal::WINDOW, heal::WINDOWS);
         let w = calibrate::windows(&original.model, &ids, window, count, |done, n| {
             progress(Stage::Calibrating, done * window, n * window)
         })?;
         out.windows = Some(w);
+        if h.steps > 0 {
+            let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
+                progress(Stage::Calibrating, done * window, n * window)
+            })?;
+            out.targets = Some(t);
+        }
     }
     Ok(out)
 }

@@ -6,7 +6,7 @@
 use super::gqa::{self, augment, Heads, Projections};
 use super::heal::{Form, Healer};
 use super::spec::MlaLayout;
-use super::{deepseek, lowrank, mla, Moments, Plan};
+use super::{deepseek, lowrank, mla, Moments, Plan, Stage};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
@@ -40,7 +40,7 @@ fn projections(
 }
 
 /// Every layer's converted attention tensors, by checkpoint name, f32; each layer healed as
-/// it is converted when `healer` is given (`progress(layers done, layers)` follows it).
+/// it is converted, then all together, when `healer` is given (`progress` follows both).
 pub fn fit(
     plan: &Plan,
     heads: Heads,
@@ -48,9 +48,10 @@ pub fn fit(
     backend: &dyn SimpleBackend,
     moments: Option<&Moments>,
     mut healer: Option<&mut Healer>,
-    mut progress: impl FnMut(usize, usize),
+    progress: &mut impl FnMut(Stage, usize, usize),
 ) -> Result<HashMap<String, Tensor>> {
     let mut replaced = HashMap::new();
+    let mut forms = Vec::with_capacity(cfg.num_hidden_layers);
     for layer in 0..cfg.num_hidden_layers {
         let w = projections(backend, cfg, layer)?;
         let moment = moments.map(|m| &m.per_layer[layer]);
@@ -83,15 +84,20 @@ pub fn fit(
                 o: out.o,
             }
         };
-        let form = match healer.as_deref_mut() {
+        forms.push(match healer.as_deref_mut() {
             Some(h) => {
                 let healed = h.layer(layer, &form, &w)?;
-                progress(layer + 1, cfg.num_hidden_layers);
+                progress(Stage::Healing, layer + 1, cfg.num_hidden_layers);
                 healed
             }
             None => form,
-        };
-        put(&mut replaced, cfg, layer, &form)?;
+        });
+    }
+    if let Some(h) = healer {
+        forms = h.end_to_end(forms, |done, n| progress(Stage::Distilling, done, n))?;
+    }
+    for (layer, form) in forms.iter().enumerate() {
+        put(&mut replaced, cfg, layer, form)?;
     }
     Ok(replaced)
 }

@@ -16,8 +16,10 @@
 //! of their own).
 
 mod attend;
+pub mod distil;
 
 pub use attend::Form;
+pub use distil::{Distilled, Frozen, Targets};
 
 use super::gqa::Projections;
 use super::HealReport;
@@ -34,8 +36,13 @@ use std::time::Instant;
 pub const WINDOW: usize = 256;
 /// At most this many windows (8192 tokens) are kept per layer.
 pub const WINDOWS: usize = 32;
-/// Optimiser steps per layer without `--heal-steps`.
-pub const STEPS: usize = 100;
+/// Optimiser steps per layer without `--heal-steps`: few, as the end-to-end training
+/// after it does most of the work.
+pub const STEPS: usize = 10;
+/// End-to-end optimiser steps without `--heal-e2e-steps`.
+pub const E2E_STEPS: usize = 80;
+/// Tokens of its own text the original writes without `--heal-tokens`.
+pub const TOKENS: usize = 32768;
 /// Windows per optimiser step.
 const BATCH: usize = 4;
 /// AdamW's learning rate, without weight decay (the fit starts where the conversion put
@@ -57,19 +64,45 @@ pub struct Geometry {
     pub rotation: Rotation,
 }
 
+/// What `--heal` does: optimiser steps per layer in the layer-wise fit, then steps of the
+/// whole model's end-to-end training ([`distil`]; 0: none), on `tokens` of text the
+/// original writes itself ([`crate::convert::own_text`]) when no calibration text is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heal {
+    pub layer_steps: usize,
+    pub steps: usize,
+    pub tokens: usize,
+}
+
+/// The end-to-end training's inputs: the frozen rest of the model and the original's
+/// distribution over the calibration windows.
+pub struct EndToEnd<'a> {
+    pub frozen: Frozen,
+    pub targets: &'a Targets,
+    pub steps: usize,
+}
+
 /// Heals a conversion's layers one by one as they are converted ([`Self::layer`]), on each
-/// layer's calibration windows, and keeps what each fit did for the report.
+/// layer's calibration windows, then all together ([`Self::end_to_end`]), and keeps what
+/// each fit did for the report.
 pub struct Healer<'a> {
     geo: Geometry,
     /// Each layer's attention inputs, (N, [`WINDOW`], C + 1).
     windows: &'a [Tensor],
     steps: usize,
     fits: Vec<Fit>,
+    whole: Option<EndToEnd<'a>>,
+    distilled: Option<Distilled>,
     start: Instant,
 }
 
 impl<'a> Healer<'a> {
-    pub fn new(cfg: &ModelConfig, windows: &'a [Tensor], steps: usize) -> Result<Self> {
+    pub fn new(
+        cfg: &ModelConfig,
+        windows: &'a [Tensor],
+        steps: usize,
+        whole: Option<EndToEnd<'a>>,
+    ) -> Result<Self> {
         let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
             return Err(Error::Invalid("--heal: not a GQA-family model".into()));
         };
@@ -84,8 +117,26 @@ impl<'a> Healer<'a> {
             windows,
             steps,
             fits: Vec::with_capacity(windows.len()),
+            whole,
+            distilled: None,
             start: Instant::now(),
         })
+    }
+
+    /// Every layer's healed `forms` trained together, when end-to-end training was asked
+    /// for (`progress(step, steps)` follows it); else `forms` as they are.
+    pub fn end_to_end(
+        &mut self,
+        forms: Vec<Form>,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Vec<Form>> {
+        let Some(w) = self.whole.as_ref().filter(|w| w.steps > 0) else {
+            return Ok(forms);
+        };
+        let (forms, report) =
+            distil::distil(&w.frozen, forms, w.targets, &self.geo, w.steps, progress)?;
+        self.distilled = Some(report);
+        Ok(forms)
     }
 
     /// Layer `layer`'s converted attention `form`, healed towards `original`.
@@ -108,6 +159,7 @@ impl<'a> Healer<'a> {
                 .first()
                 .map_or(0, |w| w.dim(0).unwrap_or(0) * WINDOW),
             layers: self.fits,
+            end_to_end: self.distilled,
         }
     }
 }

@@ -1,0 +1,355 @@
+//! `--heal`'s second part, end to end: after the layer-wise fit, every converted layer's
+//! attention is trained at once so that the converted model's next-token distribution
+//! matches the original's on the calibration windows (distillation, as TransMLA and
+//! X-EcoMLA recover a conversion's loss), everything else frozen. Errors that add up
+//! through the layers, which the layer-wise fit never sees, are what this aims at.
+//!
+//! The original's distribution is kept as its [`TOP_K`] most probable next tokens per
+//! position, renormalised ([`Targets`]): the loss is their cross-entropy against the
+//! converted model's log-probabilities (the KL divergence up to a constant). The converted
+//! model runs once more in candle's differentiable basic ops ([`Frozen::logits`]), the
+//! attention through [`super::attend`]. The last [`HELD_OUT`]th of the windows is held
+//! out: it is scored before training and every [`CHECK_EVERY`] steps, and the best state
+//! it saw is what is kept (the layer-wise result when nothing beats it).
+
+use super::attend::{mask, output, Form};
+use super::{Geometry, WINDOW};
+use crate::config::{AttentionConfig, MlpConfig, ModelConfig};
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::model::Transformer;
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use std::time::Instant;
+
+/// The original's most probable next tokens kept per position.
+pub const TOP_K: usize = 64;
+/// Windows per optimiser step.
+const BATCH: usize = 4;
+/// One window in this many is held out (at least one, at most [`HELD_OUT_MAX`]).
+const HELD_OUT: usize = 8;
+const HELD_OUT_MAX: usize = 4;
+/// Steps between checks on the held-out windows.
+const CHECK_EVERY: usize = 10;
+/// AdamW's learning rate at the start, decayed linearly to a tenth, without weight decay.
+const LR: f64 = 3e-4;
+
+/// The original model's next-token distribution over windows of a calibration text.
+pub struct Targets {
+    /// Each window's tokens, (T,) u32.
+    ids: Vec<Tensor>,
+    /// Per window, each position's [`TOP_K`] most probable next tokens (T, K) u32 and their
+    /// probabilities renormalised to sum to 1, (T, K) f32.
+    top: Vec<(Tensor, Tensor)>,
+}
+
+impl Targets {
+    /// The original `model` over up to `count` windows of [`WINDOW`] tokens of `ids`, one
+    /// after another; `progress(done, total)` after each.
+    pub fn measure(
+        model: &Transformer,
+        ids: &[u32],
+        count: usize,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let n = (ids.len() / WINDOW).min(count);
+        let mut cache = KvCache::new(model.config(), WINDOW, model.dtype(), model.device())?;
+        let mut out = Targets {
+            ids: Vec::with_capacity(n),
+            top: Vec::with_capacity(n),
+        };
+        for (w, window) in ids.chunks_exact(WINDOW).take(n).enumerate() {
+            cache.reset();
+            let input = Tensor::new(window, model.device())?.unsqueeze(0)?;
+            let logits = model
+                .forward(&input, &mut cache)?
+                .squeeze(0)?
+                .to_device(&Device::Cpu)?;
+            let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+            // The K largest by sorting each row: (T, V) once per window, cheap beside the
+            // forward.
+            let order = probs
+                .arg_sort_last_dim(false)?
+                .narrow(1, 0, TOP_K)?
+                .contiguous()?;
+            let p = probs.gather(&order, 1)?;
+            let p = p.broadcast_div(&p.sum_keepdim(1)?)?;
+            out.ids.push(Tensor::new(window, &Device::Cpu)?);
+            out.top.push((order, p));
+            progress(w + 1, n);
+        }
+        Ok(out)
+    }
+
+    pub fn windows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Tokens in all windows.
+    pub fn tokens(&self) -> usize {
+        self.ids.len() * WINDOW
+    }
+
+    /// Windows `picks` stacked: ids (B, T), top tokens and probabilities (B·T, K).
+    fn batch(&self, picks: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
+        let ids: Vec<&Tensor> = picks.iter().map(|&i| &self.ids[i]).collect();
+        let top: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].0).collect();
+        let p: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].1).collect();
+        Ok((
+            Tensor::stack(&ids, 0)?,
+            Tensor::cat(&top, 0)?,
+            Tensor::cat(&p, 0)?,
+        ))
+    }
+}
+
+/// Everything of the model but the converted attention, in f32, frozen.
+pub struct Frozen {
+    embed: Tensor,
+    layers: Vec<FrozenLayer>,
+    norm: Tensor,
+    head: Tensor,
+    eps: f64,
+}
+
+struct FrozenLayer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    o_bias: Option<Tensor>,
+    /// gate, up, down: (weight, bias).
+    mlp: [(Tensor, Option<Tensor>); 3],
+}
+
+impl Frozen {
+    /// Reads the frozen tensors of a Llama-family checkpoint with dense MLPs.
+    pub fn load(backend: &dyn SimpleBackend, cfg: &ModelConfig) -> Result<Self> {
+        let AttentionConfig::Gqa { o_bias, .. } = cfg.attention else {
+            return Err(Error::Invalid("--heal: not a GQA-family model".into()));
+        };
+        let get = |name: &str| -> Result<Tensor> {
+            Ok(backend.get_unchecked(name, DType::F32, &Device::Cpu)?)
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (l, mlp) in cfg.mlp.iter().enumerate() {
+            let MlpConfig::Dense { bias, .. } = mlp else {
+                return Err(Error::Invalid(format!(
+                    "--heal: layer {l} has a mixture of experts; healing trains through \
+                     dense MLPs only"
+                )));
+            };
+            let p = format!("model.layers.{l}");
+            let proj = |name: &str| -> Result<(Tensor, Option<Tensor>)> {
+                let w = get(&format!("{p}.mlp.{name}.weight"))?;
+                let b = match bias {
+                    true => Some(get(&format!("{p}.mlp.{name}.bias"))?),
+                    false => None,
+                };
+                Ok((w, b))
+            };
+            layers.push(FrozenLayer {
+                input_norm: get(&format!("{p}.input_layernorm.weight"))?,
+                post_norm: get(&format!("{p}.post_attention_layernorm.weight"))?,
+                o_bias: match o_bias {
+                    true => Some(get(&format!("{p}.self_attn.o_proj.bias"))?),
+                    false => None,
+                },
+                mlp: [proj("gate_proj")?, proj("up_proj")?, proj("down_proj")?],
+            });
+        }
+        let embed = get("model.embed_tokens.weight")?;
+        let head = match cfg.tie_word_embeddings {
+            true => embed.clone(),
+            false => get("lm_head.weight")?,
+        };
+        Ok(Self {
+            embed,
+            layers,
+            norm: get("model.norm.weight")?,
+            head,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        Ok(x.broadcast_mul(&scale)?.broadcast_mul(w)?)
+    }
+
+    /// The converted model's logits (B·T, V) for `ids` (B, T) with `forms` as its layers'
+    /// attention (f32), in differentiable ops.
+    fn logits(
+        &self,
+        forms: &[Form],
+        ids: &Tensor,
+        geo: &Geometry,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let c = self.embed.dim(1)?;
+        let mut x = self
+            .embed
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, c))?;
+        let ones = Tensor::ones((b, t, 1), DType::F32, &Device::Cpu)?;
+        let linear = |x: &Tensor, (w, bias): &(Tensor, Option<Tensor>)| -> Result<Tensor> {
+            let y = x.broadcast_matmul(&w.t()?)?;
+            Ok(match bias {
+                Some(bias) => y.broadcast_add(bias)?,
+                None => y,
+            })
+        };
+        for (layer, form) in self.layers.iter().zip(forms) {
+            let h = Tensor::cat(&[&self.rms(&x, &layer.input_norm)?, &ones], 2)?;
+            let mut a = output(form, &h, geo, mask)?;
+            if let Some(bias) = &layer.o_bias {
+                a = a.broadcast_add(bias)?;
+            }
+            x = (x + a)?;
+            let h = self.rms(&x, &layer.post_norm)?;
+            let [gate, up, down] = &layer.mlp;
+            let g = candle_nn::ops::silu(&linear(&h, gate)?)?;
+            x = (&x + linear(&(g * linear(&h, up)?)?, down)?)?;
+        }
+        let h = self.rms(&x, &self.norm)?.reshape((b * t, c))?;
+        Ok(h.matmul(&self.head.t()?)?)
+    }
+
+    /// The mean over positions of the cross-entropy of the original's top tokens
+    /// (probabilities `p` (B·T, K)) against the converted model's distribution.
+    fn loss(
+        &self,
+        forms: &[Form],
+        batch: &(Tensor, Tensor, Tensor),
+        geo: &Geometry,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (ids, top, p) = batch;
+        let logp = candle_nn::ops::log_softmax(&self.logits(forms, ids, geo, mask)?, D::Minus1)?;
+        let picked = logp.gather(top, 1)?;
+        Ok(((picked * p)?.sum_all()? / -(top.dim(0)? as f64))?)
+    }
+
+    /// `loss` over windows `picks`, a batch at a time, without gradients.
+    fn score(
+        &self,
+        forms: &[Form],
+        targets: &Targets,
+        picks: &[usize],
+        geo: &Geometry,
+        mask: &Tensor,
+    ) -> Result<f64> {
+        let mut sum = 0.0;
+        for chunk in picks.chunks(BATCH) {
+            let l = self.loss(forms, &targets.batch(chunk)?, geo, mask)?;
+            sum += l.to_scalar::<f32>()? as f64 * chunk.len() as f64;
+        }
+        Ok(sum / picks.len() as f64)
+    }
+}
+
+/// What the end-to-end training did: held-out loss (nats per position, the original's
+/// top-K cross-entropy) before and after, and its cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Distilled {
+    pub steps: usize,
+    pub tokens: usize,
+    pub secs: f64,
+    pub before: f64,
+    pub after: f64,
+}
+
+/// Trains every layer's `forms` (f64, as the layer-wise fit leaves them) together towards
+/// `targets` for `steps` steps; `progress(done, steps)` after each. Returns the forms the
+/// held-out windows liked best, in f64.
+pub fn distil(
+    frozen: &Frozen,
+    forms: Vec<Form>,
+    targets: &Targets,
+    geo: &Geometry,
+    steps: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(Vec<Form>, Distilled)> {
+    let start = Instant::now();
+    let n = targets.windows();
+    if n < 2 {
+        return Err(Error::Invalid(format!(
+            "--heal: the calibration text gives {n} window(s) of {WINDOW} tokens; healing \
+             end to end needs at least 2 (one to fit, one to check)"
+        )));
+    }
+    let held = (n / HELD_OUT).clamp(1, HELD_OUT_MAX);
+    let (fit, check): (Vec<usize>, Vec<usize>) = ((0..n - held).collect(), (n - held..n).collect());
+    let mask = mask(WINDOW, &Device::Cpu)?;
+    let cast = |f: &Form, dtype: DType| -> Result<Form> {
+        let ts = f
+            .tensors()
+            .into_iter()
+            .map(|t| t.to_dtype(dtype))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(f.with(&ts))
+    };
+    let f32_forms = forms
+        .iter()
+        .map(|f| cast(f, DType::F32))
+        .collect::<Result<Vec<_>>>()?;
+    let vars: Vec<Vec<Var>> = f32_forms
+        .iter()
+        .map(|f| f.tensors().into_iter().map(Var::from_tensor).collect())
+        .collect::<candle_core::Result<_>>()?;
+    let current = |detach: bool| -> Vec<Form> {
+        f32_forms
+            .iter()
+            .zip(&vars)
+            .map(|(f, vs)| {
+                let ts: Vec<Tensor> = vs
+                    .iter()
+                    .map(|v| match detach {
+                        true => v.as_tensor().detach(),
+                        false => v.as_tensor().clone(),
+                    })
+                    .collect();
+                f.with(&ts)
+            })
+            .collect()
+    };
+    let before = frozen.score(&f32_forms, targets, &check, geo, &mask)?;
+    let mut best = (before, f32_forms.clone());
+    let params = ParamsAdamW {
+        lr: LR,
+        weight_decay: 0.0,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(vars.iter().flatten().cloned().collect(), params)?;
+    for step in 0..steps {
+        opt.set_learning_rate(LR * (1.0 - 0.9 * step as f64 / steps as f64));
+        let picks: Vec<usize> = (0..BATCH.min(fit.len()))
+            .map(|i| fit[(step * BATCH + i) % fit.len()])
+            .collect();
+        let loss = frozen.loss(&current(false), &targets.batch(&picks)?, geo, &mask)?;
+        opt.backward_step(&loss)?;
+        if (step + 1) % CHECK_EVERY == 0 || step + 1 == steps {
+            let now = current(true);
+            let score = frozen.score(&now, targets, &check, geo, &mask)?;
+            if score < best.0 {
+                best = (score, now);
+            }
+        }
+        progress(step + 1, steps);
+    }
+    let healed = best
+        .1
+        .iter()
+        .map(|f| cast(f, DType::F64))
+        .collect::<Result<Vec<_>>>()?;
+    let report = Distilled {
+        steps,
+        tokens: fit.len() * WINDOW,
+        secs: start.elapsed().as_secs_f64(),
+        before,
+        after: best.0,
+    };
+    Ok((healed, report))
+}

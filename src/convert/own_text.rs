@@ -1,0 +1,149 @@
+//! The calibration text a model writes itself, for `--heal` without `--calibration`: the
+//! original model samples continuations of varied short prompts in batches (through its
+//! chat template when it has one), so healing fits the converted model on what the
+//! original actually says, in its own domain, with no corpus to ship.
+
+use crate::chat::{ChatTemplate, Message};
+use crate::error::{Error, Result};
+use crate::generate::{self, Options, Sequence};
+use crate::loader::Loaded;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// What the prompts are about: everyday, technical, historical and story subjects.
+const TOPICS: &[&str] = &[
+    "the history of the printing press",
+    "how volcanoes form",
+    "a day in the life of a lighthouse keeper",
+    "the rules of chess",
+    "how to bake bread",
+    "the water cycle",
+    "a detective solving a mystery in a small town",
+    "the benefits of regular exercise",
+    "how airplanes fly",
+    "the French Revolution",
+    "a friendship between a robot and a child",
+    "photosynthesis",
+    "how to learn a new language",
+    "the planets of the solar system",
+    "a recipe for vegetable soup",
+    "how the immune system works",
+    "the importance of sleep",
+    "how bees make honey",
+    "a journey across the desert",
+    "the basics of personal finance",
+    "the life of Marie Curie",
+    "how a compiler turns code into a program",
+    "a lost dog finding its way home",
+    "the invention of the telephone",
+    "how to write a good essay",
+    "the creatures of the deep ocean",
+    "why the sky is blue",
+    "the Roman Empire",
+    "how to plant a vegetable garden",
+    "how the internet sends a message",
+    "a storm at sea",
+    "the causes of climate change",
+];
+
+/// How a chat model is asked (`{}`: the topic).
+const ASKS: &[&str] = &[
+    "Tell me about {}.",
+    "Write a short story about {}.",
+    "Explain {} to a ten-year-old.",
+    "Write an essay on {}.",
+];
+
+/// Sequences sampled together.
+const BATCH: usize = 16;
+/// New tokens per sequence at most (a window and a bit, so most windows are one answer).
+const NEW_TOKENS: usize = 288;
+
+/// The i-th prompt: topic and ask pairs in an order that varies both.
+fn prompt(i: usize) -> (String, String) {
+    let topic = TOPICS[i % TOPICS.len()];
+    let ask = ASKS[(i / TOPICS.len() + i) % ASKS.len()];
+    let mut opening = topic.to_string();
+    if let Some(first) = opening.get_mut(0..1) {
+        first.make_ascii_uppercase();
+    }
+    (ask.replace("{}", topic), opening)
+}
+
+/// About `tokens` tokens (at least) of text `loaded` writes from its prompts, with each
+/// prompt's tokens before its continuation, sampled at temperature 0.9 (top-p 0.95) from
+/// `seed`; `progress(tokens so far, tokens)` after each batch.
+pub fn write(
+    loaded: &Loaded,
+    tokens: usize,
+    seed: u64,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<u32>> {
+    let model = &loaded.model;
+    let tokenizer = loaded.tokenizer.as_ref().ok_or_else(|| {
+        Error::Invalid("--heal: the model's own calibration text needs its tokenizer.json".into())
+    })?;
+    let template = ChatTemplate::from_meta(&loaded.meta)?;
+    let mut out = Vec::with_capacity(tokens + BATCH * NEW_TOKENS);
+    let mut next = 0;
+    while out.len() < tokens {
+        let prompts = (next..next + BATCH)
+            .map(|i| {
+                let (ask, opening) = prompt(i);
+                match &template {
+                    Some(t) => {
+                        let m = [Message {
+                            role: "user".into(),
+                            content: ask,
+                        }];
+                        tokenizer.encode_plain(&t.render(&m, true)?)
+                    }
+                    None => tokenizer.encode(&opening),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut caches = prompts
+            .iter()
+            .map(|p| generate::cache_for(model, p.len(), NEW_TOKENS))
+            .collect::<Result<Vec<_>>>()?;
+        let mut samplers = (next..next + BATCH)
+            .map(|i| {
+                Sampler::new(&SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    seed: seed.wrapping_add(i as u64),
+                    ..Default::default()
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut seqs = prompts
+            .iter()
+            .zip(caches.iter_mut().zip(samplers.iter_mut()))
+            .map(|(p, (cache, sampler))| {
+                let opts = Options::new(NEW_TOKENS);
+                Sequence::new(model, tokenizer.inner(), cache, p, opts, sampler)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        generate::run(model, &mut seqs, None, |_, _| {})?;
+        for (p, seq) in prompts.iter().zip(&seqs) {
+            out.extend_from_slice(p);
+            out.extend_from_slice(seq.generated());
+        }
+        next += BATCH;
+        progress(out.len().min(tokens), tokens);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_vary_topic_and_ask() {
+        let firsts: std::collections::HashSet<String> = (0..TOPICS.len() * ASKS.len())
+            .map(|i| prompt(i).0)
+            .collect();
+        assert_eq!(firsts.len(), TOPICS.len() * ASKS.len());
+        assert_eq!(prompt(1).1, "How volcanoes form");
+    }
+}
