@@ -5,7 +5,7 @@
 
 use super::{Geometry, BATCH};
 use crate::error::Result;
-use candle_core::{Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
 /// One converted layer's attention in the form healing fits, in f64 like the conversions:
 /// projections (rows, C + 1) with their bias as the last column, `o` (C, H·D).
@@ -59,6 +59,16 @@ impl Form {
                 o: ts[4].clone(),
             },
         }
+    }
+
+    /// The same form with every tensor in `dtype`.
+    pub(super) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let ts = self
+            .tensors()
+            .into_iter()
+            .map(|t| t.to_dtype(dtype))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(self.with(&ts))
     }
 
     pub(super) fn o(&self) -> &Tensor {

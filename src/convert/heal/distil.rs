@@ -283,17 +283,9 @@ pub fn distil(
     let held = (n / HELD_OUT).clamp(1, HELD_OUT_MAX);
     let (fit, check): (Vec<usize>, Vec<usize>) = ((0..n - held).collect(), (n - held..n).collect());
     let mask = mask(WINDOW, &Device::Cpu)?;
-    let cast = |f: &Form, dtype: DType| -> Result<Form> {
-        let ts = f
-            .tensors()
-            .into_iter()
-            .map(|t| t.to_dtype(dtype))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(f.with(&ts))
-    };
     let f32_forms = forms
         .iter()
-        .map(|f| cast(f, DType::F32))
+        .map(|f| f.to_dtype(DType::F32))
         .collect::<Result<Vec<_>>>()?;
     let vars: Vec<Vec<Var>> = f32_forms
         .iter()
@@ -342,7 +334,7 @@ pub fn distil(
     let healed = best
         .1
         .iter()
-        .map(|f| cast(f, DType::F64))
+        .map(|f| f.to_dtype(DType::F64))
         .collect::<Result<Vec<_>>>()?;
     let report = Distilled {
         steps,

@@ -1,6 +1,6 @@
 //! `--heal`: after a lossy conversion, each layer's new attention is fitted to give the
-//! original attention's output on the calibration text, layer by layer (as GPTQ calibrates,
-//! not end-to-end training): the loss is the squared error of the attention's output (after
+//! original attention's output on the calibration text, layer by layer (as GPTQ calibrates;
+//! [`distil`] then trains them all together, end to end): the loss is the squared error of the attention's output (after
 //! `o_proj`, before the residual add), relative to the output's energy, over windows of the
 //! original model's own inputs to that layer ([`super::calibrate::windows`]).
 //!
@@ -131,7 +131,7 @@ impl<'a> Healer<'a> {
         forms: Vec<Form>,
         progress: impl FnMut(usize, usize),
     ) -> Result<Vec<Form>> {
-        let Some(w) = self.whole.as_ref().filter(|w| w.steps > 0) else {
+        let Some(w) = &self.whole else {
             return Ok(forms);
         };
         let (forms, report) =
@@ -184,25 +184,18 @@ pub fn heal(
         )));
     }
     let held = (n / 4).max(1);
-    let f32_form = |f: &Form| -> Result<Form> {
-        let ts = f
-            .tensors()
-            .into_iter()
-            .map(|t| t.to_dtype(DType::F32))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(f.with(&ts))
-    };
-    let reference = f32_form(&Form::Gqa {
+    let reference = (Form::Gqa {
         q: original.q.clone(),
         k: original.k.clone(),
         v: original.v.clone(),
         o: original.o.clone(),
-    })?;
+    })
+    .to_dtype(DType::F32)?;
     let mask = mask(inputs.dim(1)?, inputs.device())?;
     let targets = in_batches(inputs, |x| output(&reference, x, geo, &mask))?;
     let fit_set = Set::new(inputs, &targets, 0, n - held)?;
     let check = Set::new(inputs, &targets, n - held, held)?;
-    let start = f32_form(form)?;
+    let start = form.to_dtype(DType::F32)?;
     let before = check.error(&start, geo, &mask)?;
     // 1. The output projection by least squares, 2. AdamW on everything, 3. 1 again.
     let mut fitted = refit_o(&start, &fit_set, &check, geo, &mask)?;
@@ -247,12 +240,7 @@ pub fn heal(
         true => (fitted, after),
         false => (start, before),
     };
-    let ts = kept
-        .tensors()
-        .into_iter()
-        .map(|t| t.to_dtype(DType::F64))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok((form.with(&ts), Fit { before, after }))
+    Ok((kept.to_dtype(DType::F64)?, Fit { before, after }))
 }
 
 /// Some of the windows with the original's outputs on them.
