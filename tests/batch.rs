@@ -7,6 +7,7 @@ mod common;
 use candle_core::{DType, Device};
 use common::{fixture_dir, load_dir, max_abs_diff, FIXTURES};
 use tiny_decoder::generate::{self, Options, Sequence};
+use tiny_decoder::kv_cache::{KvPool, BLOCK};
 use tiny_decoder::loader::{bundled, load_bundled, Loaded};
 use tiny_decoder::model::Feed;
 use tiny_decoder::sampling::{Sampler, SamplingParams};
@@ -229,4 +230,125 @@ fn bench_batch_reports_aggregate_and_per_sequence_speed() {
         r["kv_cache_bytes"],
         3 * 12 * r["kv_bytes_per_token"].as_u64().unwrap()
     );
+}
+
+/// Models of every attention form: the fixtures' GQA/MQA/MHA and DeepSeek MLA, and tiny-gqa
+/// converted to low-rank K/V and to MLA in both layouts.
+fn every_form(dtype: DType) -> Vec<(String, Loaded)> {
+    let mut models: Vec<(String, Loaded)> = ["llama-mha-tied", "mistral-gqa-headdim"]
+        .iter()
+        .chain(&["qwen3-qknorm", "deepseek-v2", "deepseek-v3"])
+        .map(|name| (name.to_string(), load_dir(&fixture_dir(name), dtype)))
+        .collect();
+    let source = tiny_decoder::loader::open("tiny-gqa").unwrap();
+    for spec in [
+        "lowrank:48,method=svd",
+        "mla:48,rope=64,method=svd",
+        "mla:32,rope=32,method=svd",
+    ] {
+        let req = tiny_decoder::convert::Request {
+            spec: spec.parse().unwrap(),
+            calibration: None,
+            heal: None,
+        };
+        let dt = tiny_decoder::loader::DTypeArg::Fixed(dtype);
+        let (conv, _) =
+            tiny_decoder::convert::load(&source, dt, &Device::Cpu, &req, |_, _, _| {}).unwrap();
+        models.push((format!("tiny-gqa {spec}"), conv));
+    }
+    models
+}
+
+/// Three sequences growing in turn in one shared pool hold interleaved blocks (sequence 0
+/// holds blocks 0, 3, 6...), so every read goes through a block table: prompt chunks that
+/// cross blocks (gathered), then decode tokens (the decode op following the table). Each
+/// step's logits equal those of the same sequence in a cache of its own, in f32 and bf16.
+#[test]
+fn a_paged_cache_answers_as_a_cache_of_its_own() {
+    for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-3)] {
+        for (name, loaded) in every_form(dtype) {
+            let model = &loaded.model;
+            let cfg = model.config();
+            let per_token = cfg.kv_bytes_per_token(dtype.size_in_bytes());
+            let pool = KvPool::new(cfg, 3 * 96 * per_token, dtype, model.device()).unwrap();
+            let mut paged: Vec<KvCache> = (0..3).map(|_| pool.sequence(96)).collect();
+            let mut own: Vec<KvCache> = (0..3).map(|_| cache(model, 96)).collect();
+            let vocab = cfg.vocab_size;
+            // Chunks of 13, 21, then 1 token at a time up to 80 positions.
+            let mut lens = vec![13, 21];
+            lens.resize(48, 1);
+            let mut pos = 0;
+            for n in lens {
+                for s in 0..3 {
+                    let ids: Vec<u32> = (pos..pos + n)
+                        .map(|i| ((s * 7919 + i * 104_729 + 17) % vocab) as u32)
+                        .collect();
+                    let a = model.next_logits(&ids, &mut paged[s]).unwrap();
+                    let b = model.next_logits(&ids, &mut own[s]).unwrap();
+                    let diff = max_abs_diff(&a, &b);
+                    assert!(
+                        diff < tol,
+                        "{name} {dtype:?}: sequence {s} at {pos}+{n} moved by {diff} when paged"
+                    );
+                }
+                pos += n;
+            }
+            assert_eq!(pool.usage().held, 3 * pos.div_ceil(BLOCK));
+        }
+    }
+}
+
+/// A prompt that begins with what another sequence cached shares its blocks: whole blocks
+/// while that sequence runs, and its last, partly filled one once it ended. Writing after a
+/// shared position copies the block first: neither sequence's answers move.
+#[test]
+fn a_shared_prefix_answers_as_if_prefilled_and_is_never_overwritten() {
+    let loaded = load_dir(&fixture_dir("mistral-gqa-headdim"), DType::F32);
+    let model = &loaded.model;
+    let cfg = model.config();
+    let pool = KvPool::new(
+        cfg,
+        40 * BLOCK * cfg.kv_bytes_per_token(4),
+        DType::F32,
+        model.device(),
+    )
+    .unwrap();
+    let vocab = cfg.vocab_size as u32;
+    let ids =
+        |from: u32, n: u32| -> Vec<u32> { (from..from + n).map(|i| i * 31 % vocab).collect() };
+    let run = |cache: &mut KvCache, ids: &[u32]| model.next_logits(ids, cache).unwrap();
+    let alone = |ids: &[u32]| run(&mut cache(model, 200), ids);
+    // A holds 70 positions: two whole blocks, indexed as they filled.
+    let a_ids = ids(0, 70);
+    let mut a = pool.sequence(200);
+    run(&mut a, &a_ids);
+    // B: the same 64 + 6 others. It takes A's two blocks and prefills only its 6.
+    let mut b_ids = a_ids[..64].to_vec();
+    b_ids.extend(ids(500, 6));
+    let mut b = pool.sequence(200);
+    assert_eq!(b.reuse_prefix(&b_ids, b_ids.len() - 1), 64);
+    let got = run(&mut b, &b_ids[64..]);
+    assert!(max_abs_diff(&got, &alone(&b_ids)) < 1e-4);
+    // A goes on, unharmed by B.
+    let mut a_next = a_ids.clone();
+    a_next.push(9);
+    assert!(max_abs_diff(&run(&mut a, &[9]), &alone(&a_next)) < 1e-4);
+    // A ends: its 71 positions, the last block partly filled, are found whole by C and D,
+    // who then write into that block: the first copies it, the second writes in place.
+    drop(a);
+    let prompts: Vec<Vec<u32>> = (3..5)
+        .map(|n| [a_next.clone(), ids(800, n)].concat())
+        .collect();
+    let mut both: Vec<KvCache> = (0..2).map(|_| pool.sequence(200)).collect();
+    for (cache, prompt) in both.iter_mut().zip(&prompts) {
+        assert_eq!(cache.reuse_prefix(prompt, prompt.len() - 1), 71);
+    }
+    for (cache, prompt) in both.iter_mut().zip(&prompts) {
+        let got = run(cache, &prompt[71..]);
+        assert!(max_abs_diff(&got, &alone(prompt)) < 1e-4, "{prompt:?}");
+    }
+    // B's answer to its next token is still its own.
+    let mut b_next = b_ids.clone();
+    b_next.push(5);
+    assert!(max_abs_diff(&run(&mut b, &[5]), &alone(&b_next)) < 1e-4);
 }

@@ -7,7 +7,7 @@
 use super::{ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::generate::{self, Generation, Options};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{common_prefix, KvCache};
 use crate::loader::TextTokenizer;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
@@ -18,9 +18,9 @@ pub struct Conversation<'a> {
     template: ChatTemplate,
     /// The system message, if any, then alternating user and assistant messages.
     messages: Vec<Message>,
+    /// Holds the ids of the turns so far ([`KvCache::ids`]); a turn keeps the prefix its
+    /// prompt shares with them, as the server's pool keeps a conversation's blocks.
     cache: KvCache,
-    /// The ids the cache holds, position by position.
-    cached: Vec<u32>,
 }
 
 /// What a turn did besides generating.
@@ -55,7 +55,6 @@ impl<'a> Conversation<'a> {
             template,
             messages: system.map(|s| message("system", s)).into_iter().collect(),
             cache,
-            cached: Vec::new(),
         })
     }
 
@@ -63,7 +62,6 @@ impl<'a> Conversation<'a> {
     pub fn clear(&mut self) {
         self.messages.retain(|m| m.role == "system");
         self.cache.reset();
-        self.cached.clear();
     }
 
     pub fn messages(&self) -> &[Message] {
@@ -82,7 +80,7 @@ impl<'a> Conversation<'a> {
         let before = self.messages.clone();
         self.messages.push(message("user", user));
         let result = self.fit(opts.max_new_tokens).and_then(|(ids, notes)| {
-            self.cache.truncate(common_prefix(&self.cached, &ids));
+            self.cache.truncate(common_prefix(self.cache.ids(), &ids));
             let g = generate::generate_in(
                 self.model,
                 self.tokenizer.inner(),
@@ -96,8 +94,6 @@ impl<'a> Conversation<'a> {
         });
         match result {
             Ok((g, notes)) => {
-                let fed = [g.prompt_token_ids.as_slice(), &g.token_ids].concat();
-                self.cached = fed[..self.cache.len()].to_vec();
                 self.messages.push(message("assistant", &g.text));
                 Ok((g, notes))
             }
@@ -105,7 +101,6 @@ impl<'a> Conversation<'a> {
                 self.messages = before;
                 // The cache may hold part of a failed prefill: trust none of it.
                 self.cache.reset();
-                self.cached.clear();
                 Err(e)
             }
         }
@@ -137,9 +132,4 @@ impl<'a> Conversation<'a> {
             notes.dropped_messages += n;
         }
     }
-}
-
-/// How many leading ids `a` and `b` share.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

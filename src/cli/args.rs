@@ -254,23 +254,23 @@ pub struct ServeArgs {
     /// 0 picks a free port; the address is printed on stderr once bound.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Requests that run at once (one KV cache each, allocated at start).
+    /// Requests that run at once, sharing the KV pool (--kv-memory).
     #[arg(long, default_value_t = 8)]
     pub max_batch: usize,
-    /// Requests that may wait for a free cache; more are answered 429.
+    /// Requests that may wait to be admitted; more are answered 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Tokens per request, prompt and completion (default: the model's context, at most 4096).
     #[arg(long)]
     pub context: Option<usize>,
-    /// Bytes of KV cache in all (e.g. 2G, 512M): as many sequences of --context tokens run
-    /// at once as fit, at most --max-batch [default: what --max-batch of them need].
+    /// Bytes of the KV pool the running requests share, in blocks of 32 positions (e.g. 2G,
+    /// 512M); at least one --context [default: --max-batch x --context positions].
     #[arg(long, value_name = "BYTES", value_parser = super::serve::parse_bytes)]
     pub kv_memory: Option<usize>,
     /// Require `Authorization: Bearer KEY` on /v1/* [default: $TINY_DECODER_API_KEY, else none].
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
-    /// Seconds a request may wait for a free cache; longer, it is answered 408 and dropped.
+    /// Seconds a request may wait to be admitted; longer, it is answered 408 and dropped.
     #[arg(long, value_name = "SECS", default_value_t = 600.0)]
     pub request_timeout: f64,
     /// Connections open at once (kept below the file limit); more wait to be accepted.

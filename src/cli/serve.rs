@@ -51,22 +51,24 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     let cfg = loaded.model.config();
     let size = loaded.model.dtype().size_in_bytes();
     let per_sequence = context * cfg.kv_bytes_per_token(size);
-    // --kv-memory bounds the caches' bytes: the sequences of --context tokens that fit.
-    let max_batch = match a.kv_memory {
-        None => a.max_batch,
+    // --kv-memory sizes the pool the sequences share: at least one whole --context, so
+    // that any one request can always run (the others preempted).
+    let kv_memory = match a.kv_memory {
+        None => a.max_batch.saturating_mul(per_sequence),
         Some(bytes) if bytes < per_sequence => bail!(
             "--kv-memory {bytes}: holds no sequence of --context {context} tokens ({per_sequence} \
              bytes each for {name}): raise it, or lower --context"
         ),
-        Some(bytes) => a.max_batch.min(bytes / per_sequence),
+        Some(bytes) => bytes,
     };
-    let budget = max_batch * per_sequence;
     let (tokens, seqs) = cfg.kv_capacity(size, 1_000_000_000, 4096);
     eprintln!(
-        "KV cache: {} bytes per token ({}), {budget} bytes for {max_batch} x {context} positions; \
-         1 GB holds {tokens} tokens, {seqs} sequences of 4k",
+        "KV cache: {} bytes per token ({}), {kv_memory} bytes: {} positions, {} full sequences \
+         of {context} (more when shorter); 1 GB holds {tokens} tokens, {seqs} sequences of 4k",
         cfg.kv_bytes_per_token(size),
         cfg.attention_kind(),
+        kv_memory / cfg.kv_bytes_per_token(size).max(1),
+        kv_memory / per_sequence.max(1),
     );
     let template = chat_template(&loaded)?;
     let tokenizer = loaded
@@ -83,9 +85,10 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         model_id: model_id(name),
         host: a.host,
         port: a.port,
-        max_batch,
+        max_batch: a.max_batch,
         max_queue: a.max_queue,
         context,
+        kv_memory,
         api_key,
         request_timeout,
         limits,

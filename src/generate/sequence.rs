@@ -165,27 +165,37 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
     pub fn feed(&mut self, budget: usize) -> Option<Feed<'_>> {
         let start = self.cache.borrow().len();
         self.fed_prompt = self.prefilling();
-        let n = match self.fed_prompt {
-            true => (self.prompt_len - start).min(budget),
-            false => self.history.len() - start,
-        };
-        (self.stop.is_none() && n > 0).then(|| Feed {
+        let n = self.next_feed(budget);
+        (n > 0).then(|| Feed {
             ids: &self.history[start..start + n],
             cache: self.cache.borrow_mut(),
         })
     }
 
-    /// Whether part of the prompt is not in the cache yet.
+    /// How many ids [`Sequence::feed`] would feed with `budget`.
+    pub fn next_feed(&self, budget: usize) -> usize {
+        let start = self.cache.borrow().len();
+        match (self.stop, self.prefilling()) {
+            (Some(_), _) => 0,
+            (None, true) => (self.history.len() - start).min(budget),
+            (None, false) => self.history.len() - start,
+        }
+    }
+
+    /// Whether more than the last sampled token is missing from the cache: part of the
+    /// prompt, or, after the scheduler took the cache's blocks back (preemption), the
+    /// tokens to recompute.
     pub fn prefilling(&self) -> bool {
-        self.cache.borrow().len() < self.prompt_len
+        self.cache.borrow().len() + 1 < self.history.len()
+            || self.cache.borrow().len() < self.prompt_len
     }
 
     /// Takes the logits of the step that fed [`Sequence::feed`]: samples the next token and
     /// either queues it for the next step or ends the sequence. After a prompt chunk that
     /// left part of the prompt out, the logits predict nothing yet and are ignored.
     pub fn accept(&mut self, logits: &[f32], on_text: &mut dyn FnMut(&str)) -> Result<()> {
-        if self.prefilling() {
-            return Ok(());
+        if self.cache.borrow().len() < self.history.len() {
+            return Ok(()); // a chunk that predicts a token sampled already, or none yet
         }
         if self.generated().len() == self.max_new_tokens {
             return self.end(StopReason::Length, on_text);
@@ -330,7 +340,13 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
         self.cache.borrow()
     }
 
-    /// Gives the cache back (the scheduler reuses it for the next request).
+    /// The cache, for the scheduler to take its blocks back (the sequence then recomputes
+    /// what it held at its next feeds) or give it a cached prefix of [`Sequence::history`].
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        self.cache.borrow_mut()
+    }
+
+    /// Gives the cache back (the caller reuses it for the next turn).
     pub fn into_cache(self) -> C {
         self.cache
     }

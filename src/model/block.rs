@@ -4,7 +4,7 @@ use super::attention::{Attention, Span};
 use super::mlp::Mlp;
 use super::rope::Rotation;
 use crate::config::ModelConfig;
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::LayerView;
 use crate::model::rms_norm;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
@@ -35,7 +35,7 @@ impl DecoderLayer {
         x: &Tensor,
         rope: &Rotation,
         spans: &[Span],
-        caches: &[&LayerCache],
+        caches: &[LayerView],
     ) -> Result<Tensor> {
         let attn =
             (self.self_attn).forward(&self.input_layernorm.forward(x)?, rope, spans, caches)?;

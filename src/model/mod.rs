@@ -13,7 +13,7 @@ pub mod swiglu;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, LayerCache};
+use crate::kv_cache::{KvCache, LayerView, Pages};
 use attention::Span;
 use block::DecoderLayer;
 use candle_core::quantized::GgmlDType;
@@ -254,11 +254,12 @@ impl Transformer {
     ) -> Result<(Tensor, Vec<Span>)> {
         let dev = self.device();
         let (mut ids, mut positions, mut spans) = (Vec::new(), Vec::new(), Vec::new());
-        for f in feeds.iter() {
+        for f in feeds.iter_mut() {
             let (t, pos) = (f.ids.len(), f.cache.len());
             if t == 0 {
                 return Err(Error::Invalid("no tokens to run".into()));
             }
+            // Blocks for the new positions, before any layer writes.
             f.cache.reserve(t)?;
             // A single new token sees every cached key unless a sliding window hides some.
             spans.push(Span::new(ids.len(), t, pos, self.cfg.sliding_window, dev)?);
@@ -270,15 +271,20 @@ impl Transformer {
         let input = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?; // (1, N)
         let mut x = self.embed_tokens.forward(&input)?.to_dtype(act)?;
         let rotation = self.rope.at_positions(&positions)?;
+        let pages: Vec<Pages> = (feeds.iter())
+            .map(|f| f.cache.pages(f.cache.len() + f.ids.len()))
+            .collect();
         for (i, layer) in self.layers.iter().enumerate() {
-            let caches: Vec<&LayerCache> = feeds.iter().map(|f| &f.cache.layers()[i]).collect();
+            let caches: Vec<LayerView> = (feeds.iter().zip(&pages))
+                .map(|(f, pages)| f.cache.layer(i, pages))
+                .collect();
             if let Some(visit) = visit.as_mut() {
                 visit(i, &layer.attention_input(&x)?)?;
             }
             x = layer.forward(&x, &rotation, &spans, &caches)?;
         }
         for f in feeds.iter_mut() {
-            f.cache.advance(f.ids.len());
+            f.cache.advance(f.ids);
         }
         Ok((self.norm.forward(&x)?, spans))
     }

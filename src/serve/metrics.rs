@@ -103,6 +103,8 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens a cache already held (not prefilled).
     pub cached_tokens: AtomicU64,
+    /// Requests preempted for blocks (each resumes later).
+    pub preempted: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub ttft: Histogram,
     pub per_token: Histogram,
@@ -117,6 +119,7 @@ impl Default for Metrics {
             finished: Default::default(),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
+            preempted: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             ttft: Histogram::new(&TTFT_BOUNDS),
             per_token: Histogram::new(&TOKEN_BOUNDS),
@@ -129,8 +132,10 @@ impl Default for Metrics {
 pub struct Gauges {
     pub running: usize,
     pub waiting: usize,
-    pub caches_free: usize,
-    pub caches: usize,
+    pub preempted: usize,
+    pub blocks_used: usize,
+    pub blocks_cached: usize,
+    pub blocks_free: usize,
     pub cache_bytes: usize,
 }
 
@@ -217,17 +222,23 @@ impl Metrics {
         metric(
             "num_requests_waiting",
             "gauge",
-            "Requests queued for a cache.",
-            &[("", g.waiting as f64)],
+            "Requests queued, and preempted ones waiting to resume.",
+            &[("", (g.waiting + g.preempted) as f64)],
         );
-        let used = g.caches.saturating_sub(g.caches_free);
         metric(
-            "kv_caches",
+            "requests_preempted_total",
+            "counter",
+            "Times a running request gave its blocks back for others (it resumes later).",
+            &one(load(&self.preempted)),
+        );
+        metric(
+            "kv_blocks",
             "gauge",
-            "KV caches (one per running sequence), by state.",
+            "Blocks of the KV pool: in running requests' caches, cached prefixes, free.",
             &[
-                ("{state=\"used\"}", used as f64),
-                ("{state=\"free\"}", g.caches_free as f64),
+                ("{state=\"used\"}", g.blocks_used as f64),
+                ("{state=\"cached\"}", g.blocks_cached as f64),
+                ("{state=\"free\"}", g.blocks_free as f64),
             ],
         );
         metric(

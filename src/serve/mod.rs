@@ -1,9 +1,9 @@
 //! `tiny-decoder serve`: an OpenAI-compatible HTTP server with continuous batching.
 //!
 //! `routes` checks requests and answers in OpenAI's shapes (`openai`), whole or streamed
-//! as server-sent events (`sse`). One `scheduler` thread owns the model and the
-//! `--max-batch` KV caches, allocated here once; every request runs in one of them as a
-//! `request`, batched with the others at each step. tokio serves HTTP on two threads of
+//! as server-sent events (`sse`). One `scheduler` thread owns the model and the KV pool
+//! (`--kv-memory`, allocated here once in blocks); every request runs as a `request` whose
+//! cache takes the pool's blocks as it grows, batched with the others at each step. tokio serves HTTP on two threads of
 //! its own; the model's products keep the cores (candle's thread pool).
 
 mod chat;
@@ -18,7 +18,6 @@ mod queue;
 mod request;
 mod routes;
 mod scheduler;
-mod slots;
 mod sse;
 mod structured;
 mod tools;
@@ -29,7 +28,7 @@ pub use scheduler::PREFILL_PER_STEP;
 use crate::chat::ChatTemplate;
 use crate::config::GenerationConfig;
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvPool, BLOCK};
 use crate::loader::TextTokenizer;
 use crate::model::Transformer;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,12 +43,14 @@ pub struct Options {
     pub host: String,
     /// 0 picks a free port (the address printed on stderr says which).
     pub port: u16,
-    /// Sequences that run at once, each with its own cache.
+    /// Sequences that run at once.
     pub max_batch: usize,
-    /// Requests that may wait for a cache; one more is answered 429.
+    /// Requests that may wait; one more is answered 429.
     pub max_queue: usize,
     /// Tokens per request, prompt and completion: each cache's capacity.
     pub context: usize,
+    /// Bytes of the KV pool (at least one `context` worth).
+    pub kv_memory: usize,
     /// Required as `Authorization: Bearer KEY` on `/v1/*` when set.
     pub api_key: Option<String>,
     /// How long a request may wait for a cache before it is answered 408.
@@ -77,28 +78,41 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
     }
     let cfg = m.model.config().clone();
     let (dtype, device) = (m.model.dtype(), m.model.device().clone());
-    let caches = (0..opts.max_batch)
-        .map(|_| KvCache::new(&cfg, opts.context, dtype, &device))
-        .collect::<Result<Vec<_>>>()?;
-    let bytes: usize = caches.iter().map(KvCache::bytes_allocated).sum();
+    let pool = KvPool::new(&cfg, opts.kv_memory, dtype, &device)?;
+    if pool.blocks() * BLOCK < opts.context {
+        return Err(Error::Invalid(format!(
+            "--kv-memory {} holds {} positions, fewer than one --context of {}: raise it, or \
+             lower --context",
+            opts.kv_memory,
+            pool.blocks() * BLOCK,
+            opts.context
+        )));
+    }
+    let bytes = pool.bytes();
     eprintln!(
-        "serve: {} | {} sequences at once, {} tokens each (prompt + completion) | KV caches: \
-         {bytes} bytes, allocated once | queue: {} requests",
-        opts.model_id, opts.max_batch, opts.context, opts.max_queue
+        "serve: {} | up to {} sequences at once, {} tokens each (prompt + completion) | KV \
+         pool: {bytes} bytes, {} blocks of {BLOCK} positions, allocated once | queue: {} \
+         requests",
+        opts.model_id,
+        opts.max_batch,
+        opts.context,
+        pool.blocks(),
+        opts.max_queue
     );
     let cancel = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(queue::Stats::default());
-    stats.caches.store(opts.max_batch, Ordering::Relaxed);
-    stats.caches_free.store(opts.max_batch, Ordering::Relaxed);
+    stats.blocks_free.store(pool.blocks(), Ordering::Relaxed);
     stats.cache_bytes.store(bytes, Ordering::Relaxed);
     let tokenizer = Arc::new(m.tokenizer.inner().clone());
     let settings = scheduler::Settings {
+        max_batch: opts.max_batch,
+        context: opts.context,
         max_queue: opts.max_queue,
         request_timeout: opts.request_timeout,
         cancel: cancel.clone(),
         stats: stats.clone(),
     };
-    let (queue, scheduler) = scheduler::spawn(m.model, tokenizer, caches, settings)
+    let (queue, scheduler) = scheduler::spawn(m.model, tokenizer, pool, settings)
         .map_err(|e| Error::Serve(format!("cannot start the scheduler thread: {e}")))?;
     let served = Arc::new(routes::Served {
         model_id: opts.model_id.clone(),

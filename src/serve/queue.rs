@@ -13,7 +13,7 @@ use std::sync::Arc;
 pub struct Stats {
     /// Requests in the batch after the last step.
     pub running: AtomicUsize,
-    /// Requests queued for a cache (what `--max-queue` bounds).
+    /// Requests queued to be admitted (what `--max-queue` bounds).
     pub waiting: AtomicUsize,
     /// The most requests one step has fed since start: above 1, requests were batched.
     pub largest_batch: AtomicUsize,
@@ -21,9 +21,13 @@ pub struct Stats {
     pub restarts: AtomicUsize,
     /// False once the scheduler thread has ended: `/health` then answers 503.
     pub alive: AtomicBool,
-    /// Caches free after the last turn, of `caches` (`--max-batch`) of `cache_bytes` in all.
-    pub caches_free: AtomicUsize,
-    pub caches: AtomicUsize,
+    /// Requests preempted for blocks, waiting to resume.
+    pub preempted: AtomicUsize,
+    /// The pool's blocks after the last turn: in a running request's cache, cached (a
+    /// prefix kept for later requests), free; and the pool's bytes.
+    pub blocks_used: AtomicUsize,
+    pub blocks_cached: AtomicUsize,
+    pub blocks_free: AtomicUsize,
     pub cache_bytes: AtomicUsize,
     /// What `/metrics` reports besides the above.
     pub metrics: Metrics,
@@ -37,8 +41,10 @@ impl Default for Stats {
             largest_batch: AtomicUsize::new(0),
             restarts: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
-            caches_free: AtomicUsize::new(0),
-            caches: AtomicUsize::new(0),
+            preempted: AtomicUsize::new(0),
+            blocks_used: AtomicUsize::new(0),
+            blocks_cached: AtomicUsize::new(0),
+            blocks_free: AtomicUsize::new(0),
             cache_bytes: AtomicUsize::new(0),
             metrics: Metrics::default(),
         }

@@ -1,12 +1,11 @@
 //! One request: what a handler hands the scheduler ([`Job`]), what the scheduler tells the
 //! handler back ([`Event`]), and the request while it runs ([`Request`]): a
-//! [`generate::Sequence`] that owns one of the scheduler's caches, plus the channel its text
-//! goes out on. The sequence decides when it ends, as in `generate`; this file only reports.
+//! [`generate::Sequence`] that owns its cache in the scheduler's pool, plus the channel its
+//! text goes out on. The sequence decides when it ends, as in `generate`; this file only reports.
 
 use super::logprobs::Logprobs;
 use super::metrics::Ended;
 use super::queue::Stats;
-use super::slots::Slots;
 use crate::generate::{self, Options, StopReason};
 use crate::grammar::Constraint;
 use crate::kv_cache::KvCache;
@@ -28,7 +27,7 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past the model's EOS ids, up to `max_tokens`.
     pub ignore_eos: bool,
-    /// Start from the longest prefix of the prompt a free cache holds (else from nothing).
+    /// Start from the longest prefix of the prompt the pool holds (else from nothing).
     pub cache_prompt: bool,
     /// The grammar the reply must match (`response_format`).
     pub constraint: Option<Constraint>,
@@ -50,7 +49,7 @@ impl Job {
 
 /// What the scheduler tells a request's handler.
 pub enum Event {
-    /// The request took a cache and joins the batch at the next step.
+    /// The request was admitted and joins the batch at the next step.
     Admitted,
     /// Text that became complete (none of it part of a stop string), and the
     /// log-probabilities of the tokens sampled since the last piece (when asked).
@@ -59,7 +58,7 @@ pub enum Event {
     Done(Finish),
     /// The request failed: its step did, or the scheduler (a 500).
     Failed(String),
-    /// It waited longer than `--request-timeout` for a cache (a 408).
+    /// It waited longer than `--request-timeout` to be admitted (a 408).
     TimedOut,
     /// The server's shutdown ended the request before it was done (a 503).
     Cancelled,
@@ -104,8 +103,8 @@ pub struct Request<'t> {
 }
 
 impl<'t> Request<'t> {
-    /// Starts `job` in `cache`, which holds a prefix of its prompt (or nothing); gives the
-    /// cache back when the prompt does not fit it (the handler checked, so this is a guard),
+    /// Starts `job` in `cache`, which holds a prefix of its prompt (or nothing); drops the
+    /// cache when the prompt does not fit it (the handler checked, so this is a guard),
     /// having answered the request.
     pub fn start(
         job: Job,
@@ -189,20 +188,20 @@ impl<'t> Request<'t> {
         })
     }
 
-    /// Sends the end of the request (the final reply, or its error) and gives its cache
-    /// back with what it holds. A request that has not ended lost its client, or the
-    /// shutdown cancelled it.
-    pub fn end(self, slots: &mut Slots) {
+    /// Sends the end of the request (the final reply, or its error); its cache's blocks go
+    /// back to the pool, those it filled kept for a later prompt that begins with them. A
+    /// request that has not ended lost its client, or the shutdown cancelled it.
+    pub fn end(self) {
         if let Some(m) = &self.failure {
             let m = m.clone();
-            return self.fail(&m, slots);
+            return self.fail(&m);
         }
         if !self.seq.ended() {
             if self.abandoned() {
                 self.count(Ended::Abandoned);
                 eprintln!(
                     "request: the client went away after {} prompt + {} completion tokens: \
-                     dropped, its cache is free",
+                     dropped, its blocks are free",
                     self.seq.prompt_len(),
                     self.seq.generated().len()
                 );
@@ -210,7 +209,7 @@ impl<'t> Request<'t> {
                 self.count(Ended::Cancelled);
                 let _ = self.events.send(Event::Cancelled);
             }
-            return self.give_back(slots);
+            return;
         }
         match self.seq.generation() {
             Ok(g) => {
@@ -240,7 +239,6 @@ impl<'t> Request<'t> {
                 let _ = self.events.send(Event::Failed(e.to_string()));
             }
         }
-        self.give_back(slots)
     }
 
     /// Counts the request out in `/metrics`: how it ended, its tokens, its duration.
@@ -255,18 +253,11 @@ impl<'t> Request<'t> {
         m.request.observe(self.queued.elapsed().as_secs_f64());
     }
 
-    /// Gives the cache back with the tokens it holds, for a later prompt that begins with
-    /// them.
-    fn give_back(self, slots: &mut Slots) {
-        let ids = self.seq.history().to_vec();
-        slots.give_back(self.seq.into_cache(), Some(&ids));
-    }
-
-    /// Ends the request with an error (500 before a stream starts, an error event in one)
-    /// and gives its cache back emptied: after a failed step its contents are not trusted.
-    pub fn fail(self, message: &str, slots: &mut Slots) {
+    /// Ends the request with an error (500 before a stream starts, an error event in one).
+    /// Its blocks go back; only those a finished step filled are indexed, so a failed step
+    /// leaves nothing another request could reuse.
+    pub fn fail(self, message: &str) {
         self.count(Ended::Error);
         let _ = self.events.send(Event::Failed(message.to_string()));
-        slots.give_back(self.seq.into_cache(), None);
     }
 }

@@ -88,6 +88,9 @@ async fn health(State(s): State<Shared>) -> (StatusCode, Json<Value>) {
                 "max_batch": s.max_batch,
                 "running": st.running.load(Ordering::Relaxed),
                 "waiting": st.waiting.load(Ordering::Relaxed),
+                "preempted": st.preempted.load(Ordering::Relaxed),
+                "kv_blocks_free": st.blocks_free.load(Ordering::Relaxed)
+                    + st.blocks_cached.load(Ordering::Relaxed),
                 "largest_batch": st.largest_batch.load(Ordering::Relaxed),
                 "scheduler_restarts": st.restarts.load(Ordering::Relaxed)}),
     );
@@ -104,8 +107,10 @@ async fn metrics(State(s): State<Shared>) -> Response {
     let gauges = Gauges {
         running: st.running.load(Ordering::Relaxed),
         waiting: st.waiting.load(Ordering::Relaxed),
-        caches_free: st.caches_free.load(Ordering::Relaxed),
-        caches: st.caches.load(Ordering::Relaxed),
+        preempted: st.preempted.load(Ordering::Relaxed),
+        blocks_used: st.blocks_used.load(Ordering::Relaxed),
+        blocks_cached: st.blocks_cached.load(Ordering::Relaxed),
+        blocks_free: st.blocks_free.load(Ordering::Relaxed),
         cache_bytes: st.cache_bytes.load(Ordering::Relaxed),
     };
     let body = st.metrics.render(&gauges);

@@ -1,11 +1,18 @@
-//! The scheduler: one thread owns the model and the `--max-batch` KV caches, and runs
-//! continuous batching. Each step feeds every running request at once through
+//! The scheduler: one thread owns the model and the KV pool, and runs continuous batching.
+//! Each step feeds every running request at once through
 //! [`Transformer::next_logits_batch`]: one decode token for each request that generates, a
-//! chunk of the prompt for each newcomer. Requests wait in a bounded queue and join at the
-//! next step that finds a cache free; one that waits past `--request-timeout` is answered
-//! 408 and dropped. A request leaves when its sequence ends or its client goes away, and its
-//! cache goes back to the free list. The caches are allocated once, at start-up, and only
-//! reset between requests.
+//! chunk of the prompt for each newcomer. Requests wait in a bounded queue; one that waits
+//! past `--request-timeout` is answered 408 and dropped.
+//!
+//! Memory is the pool's blocks ([`KvPool`], `--kv-memory`), not a cache per request: a
+//! request is admitted, up to `--max-batch` at once, when the blocks its prompt needs are
+//! free, less one per running request to grow by; it starts from the longest prefix of its
+//! prompt that the pool holds in whole blocks (another request's system prompt, the turn
+//! before of a conversation), shared, not copied. When a step needs more blocks than are
+//! free, the requests admitted last are preempted: their blocks go back (their full ones stay
+//! cached) and they resume first, when blocks are free again, recomputing what they had
+//! (vLLM's preemption by recompute). A request that ends gives its blocks back; those of its
+//! prompt and reply stay indexed for the next turn until a newer need evicts them.
 //!
 //! A panic anywhere in the loop (inside a step or not) fails the requests in flight with a
 //! 500 and the loop goes on with a fresh batch; if failing them panics too, the process
@@ -16,9 +23,8 @@ use super::fault;
 use super::metrics::Ended;
 use super::queue::{Queue, Stats};
 use super::request::{Event, Job, Request};
-use super::slots::{common_prefix, Slots};
 use crate::error::Result;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvPool};
 use crate::model::{Feed, Transformer};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -35,23 +41,27 @@ use tokenizers::Tokenizer;
 /// while a chunk is still wide enough for the tiled products to run at prefill speed.
 pub const PREFILL_PER_STEP: usize = 128;
 
-/// How the scheduler runs besides its model and caches.
+/// How the scheduler runs besides its model and pool.
 pub struct Settings {
-    /// Requests that may wait for a cache (`--max-queue`).
+    /// Requests that run at once (`--max-batch`).
+    pub max_batch: usize,
+    /// Tokens per request, prompt and completion (`--context`).
+    pub context: usize,
+    /// Requests that may wait (`--max-queue`).
     pub max_queue: usize,
-    /// How long a request may wait for a cache before it is answered 408.
+    /// How long a request may wait to be admitted before it is answered 408.
     pub request_timeout: Duration,
     /// Set by the second shutdown signal: every request ends at the next step.
     pub cancel: Arc<AtomicBool>,
     pub stats: Arc<Stats>,
 }
 
-/// Starts the scheduler thread with `caches` (one per request that may run at once). It
-/// ends when every [`Queue`] is dropped and its running requests are done.
+/// Starts the scheduler thread over `pool`. It ends when every [`Queue`] is dropped and its
+/// running requests are done.
 pub fn spawn(
     model: Transformer,
     tokenizer: Arc<Tokenizer>,
-    caches: Vec<KvCache>,
+    pool: KvPool,
     settings: Settings,
 ) -> std::io::Result<(Queue, JoinHandle<()>)> {
     let (jobs, inbox) = channel();
@@ -64,7 +74,7 @@ pub fn spawn(
         .name("scheduler".into())
         .spawn(move || {
             let stats = settings.stats.clone();
-            let run = || supervise(&model, &tokenizer, caches, &inbox, &settings);
+            let run = || supervise(&model, &tokenizer, pool, &inbox, &settings);
             if catch_unwind(AssertUnwindSafe(run)).is_err() {
                 // The loop could not recover (a panic while failing requests): exit so that
                 // a supervisor restarts the server, rather than answer 503 from now on.
@@ -76,15 +86,14 @@ pub fn spawn(
     Ok((queue, thread))
 }
 
-/// The requests the scheduler holds: those that run (each in its cache), the free caches,
-/// and those that wait for one. Kept outside each turn so that a panic loses none of them.
+/// The requests the scheduler holds: those that run, in the order they were admitted, those
+/// preempted (to resume first), and those that wait. Kept outside each turn so that a panic
+/// loses none of them.
 struct Batch<'t> {
     running: Vec<Request<'t>>,
-    free: Slots,
+    preempted: VecDeque<Request<'t>>,
     waiting: VecDeque<Job>,
-    /// Caches the pool holds in all (`--max-batch`), each of `context` positions.
-    slots: usize,
-    context: usize,
+    pool: KvPool,
 }
 
 /// Whether the scheduler goes on after a turn.
@@ -94,24 +103,20 @@ enum Flow {
 }
 
 /// Runs turns until the queue is closed and drained; a turn that panics fails the requests
-/// in flight and the next turn starts with a whole pool of caches.
+/// in flight, whose blocks go back to the pool.
 fn supervise(
     model: &Transformer,
     tokenizer: &Tokenizer,
-    caches: Vec<KvCache>,
+    pool: KvPool,
     inbox: &Receiver<Job>,
     settings: &Settings,
 ) {
     let mut batch = Batch {
-        running: Vec::with_capacity(caches.len()),
-        slots: caches.len(),
-        context: caches.first().map_or(0, KvCache::capacity),
-        free: Slots::default(),
+        running: Vec::with_capacity(settings.max_batch),
+        preempted: VecDeque::new(),
         waiting: VecDeque::new(),
+        pool,
     };
-    for cache in caches {
-        batch.free.give_back(cache, None);
-    }
     let mut fault = fault::Injector::from_env();
     loop {
         let turn = catch_unwind(AssertUnwindSafe(|| {
@@ -122,7 +127,7 @@ fn supervise(
             Ok(Flow::Stop) => return,
             Err(_) => {
                 fault.at(fault::Point::Recover);
-                let n = batch.recover(model);
+                let n = batch.recover();
                 let restarts = settings.stats.restarts.fetch_add(1, Ordering::Relaxed) + 1;
                 eprintln!(
                     "scheduler: internal error (the panic above): {n} running requests failed \
@@ -137,24 +142,26 @@ fn supervise(
 const PANICKED: &str = "internal error in the scheduler (see the server's log)";
 
 impl Batch<'_> {
-    /// After a panic: fails the running requests, and refills the pool with fresh caches for
-    /// any that were lost with a request the panic dropped. Returns the requests failed.
-    fn recover(&mut self, model: &Transformer) -> usize {
-        let failed = self.running.len();
-        for req in self.running.drain(..) {
-            req.fail(PANICKED, &mut self.free);
-        }
-        let (cfg, dtype, device) = (model.config(), model.dtype(), model.device());
-        while self.free.len() < self.slots {
-            match KvCache::new(cfg, self.context, dtype, device) {
-                Ok(cache) => self.free.give_back(cache, None),
-                Err(e) => {
-                    eprintln!("scheduler: cannot replace a lost cache: {e}");
-                    break;
-                }
-            }
+    /// After a panic: fails the running and preempted requests (their blocks go back with
+    /// their caches). Returns the requests failed.
+    fn recover(&mut self) -> usize {
+        let failed = self.running.len() + self.preempted.len();
+        for req in self.running.drain(..).chain(self.preempted.drain(..)) {
+            req.fail(PANICKED);
         }
         failed
+    }
+
+    /// Stores the gauges `/health` and `/metrics` read.
+    fn report(&self, stats: &Stats) {
+        let usage = self.pool.usage();
+        stats.running.store(self.running.len(), Ordering::Relaxed);
+        stats
+            .preempted
+            .store(self.preempted.len(), Ordering::Relaxed);
+        stats.blocks_used.store(usage.held, Ordering::Relaxed);
+        stats.blocks_cached.store(usage.cached, Ordering::Relaxed);
+        stats.blocks_free.store(usage.free, Ordering::Relaxed);
     }
 }
 
@@ -170,7 +177,7 @@ fn turn<'t>(
 ) -> Flow {
     let waiting = &s.stats.waiting;
     // 1. Take in: with nothing to do, wait for a request; the queue closed means shutdown.
-    if b.running.is_empty() && b.waiting.is_empty() {
+    if b.running.is_empty() && b.preempted.is_empty() && b.waiting.is_empty() {
         match inbox.recv() {
             Ok(job) => b.waiting.push_back(job),
             Err(_) => return Flow::Stop,
@@ -195,99 +202,155 @@ fn turn<'t>(
         let _ = job.events.send(reply);
         false_after(waiting)
     });
-    // 3. Join: waiting requests take free caches, first come first served, each the one
-    // holding the longest prefix of its prompt. One whose prefix a running request is still
-    // prefilling keeps its place until then (to copy it), and the ones behind it go ahead.
-    let mut next = 0;
-    while !b.free.is_empty() && next < b.waiting.len() {
-        let job = &b.waiting[next];
-        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.free) {
-            next += 1;
-            continue;
-        }
-        let Some(job) = b.waiting.remove(next) else {
-            break;
-        };
-        let reuse = if job.cache_prompt {
-            &job.prompt[..]
-        } else {
-            &[]
-        };
-        let Some(mut cache) = b.free.take(reuse) else {
-            b.waiting.insert(next, job);
-            break;
-        };
-        copy_running_prefix(&b.running, reuse, &mut cache);
-        waiting.fetch_sub(1, Ordering::AcqRel);
-        match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
-            Ok(req) => b.running.push(req),
-            Err(cache) => {
-                s.stats.metrics.finished(Ended::Error);
-                b.free.give_back(cache, None);
-            }
-        }
-        fault.at(fault::Point::Admit);
-    }
-    // 4. Leave: clients that went away, or everyone once the shutdown cancels.
+    // 3. Leave: clients that went away, or everyone once the shutdown cancels.
     for req in b.running.extract_if(.., |r| cancelled || r.abandoned()) {
-        req.end(&mut b.free);
+        req.end();
     }
+    let (gone, kept) = (b.preempted.drain(..)).partition(|r| cancelled || r.abandoned());
+    b.preempted = kept;
+    gone.into_iter().for_each(Request::end);
+    // 4. Join: preempted requests first, then waiting ones, first come first served.
+    admit(model, tokenizer, b, s, fault);
     if b.running.is_empty() {
-        s.stats.running.store(0, Ordering::Relaxed);
-        s.stats.caches_free.store(b.free.len(), Ordering::Relaxed);
+        b.report(&s.stats);
         return Flow::Continue; // a step needs at least one request
     }
     // 5. One step. A model error fails this step's requests, not the server.
+    make_room(&mut b.running, &mut b.preempted, &b.pool, &s.stats);
     if let Err(e) = step(model, &mut b.running, &s.stats, fault) {
         let message = format!("the model step failed: {e}");
         for req in b.running.drain(..) {
-            req.fail(&message, &mut b.free);
+            req.fail(&message);
         }
     }
     // 6. Leave: requests that ended.
     for req in b.running.extract_if(.., |r| r.done()) {
-        req.end(&mut b.free);
+        req.end();
     }
-    s.stats.running.store(b.running.len(), Ordering::Relaxed);
-    s.stats.caches_free.store(b.free.len(), Ordering::Relaxed);
+    b.report(&s.stats);
     Flow::Continue
 }
 
-/// Fewest more tokens a running request must share with a prompt than its free cache does
-/// for the shared prefix to be copied from it (a copy is a memcpy of the positions' K/V,
-/// far cheaper than prefilling them, but not free).
-const COPY_MIN_TOKENS: usize = 32;
-
-/// When a running request has cached a longer prefix of `prompt` than `cache` holds (many
-/// requests with one system prompt, arriving together), copies that prefix into `cache`.
-fn copy_running_prefix(running: &[Request], prompt: &[u32], cache: &mut KvCache) {
-    let shared = |r: &&Request| {
-        let held = &r.seq.history()[..r.seq.cache().len()];
-        let n = common_prefix(held, prompt);
-        // The prompt's last token is always fed (its logits start the reply).
-        n.min(prompt.len().saturating_sub(1)).min(cache.capacity())
-    };
-    let Some(from) = running.iter().max_by_key(shared) else {
-        return;
-    };
-    let n = shared(&from);
-    if n >= cache.len() + COPY_MIN_TOKENS {
-        if let Err(e) = cache.copy_prefix(from.seq.cache(), n) {
-            eprintln!("scheduler: prefix copy failed, prefilling instead: {e}");
-            cache.reset();
+/// Admits preempted, then waiting requests while fewer than `--max-batch` run and the pool
+/// has the blocks their prompts need. One whose prefix a running request is still prefilling
+/// keeps its place until that prefix is cached, and the ones behind it go ahead.
+fn admit<'t>(
+    model: &Transformer,
+    tokenizer: &'t Tokenizer,
+    b: &mut Batch<'t>,
+    s: &Settings,
+    fault: &mut fault::Injector,
+) {
+    while b.running.len() < s.max_batch {
+        let Some(mut req) = b.preempted.pop_front() else {
+            break;
+        };
+        let ids = req.seq.history().to_vec();
+        if !take_prefix(&b.pool, req.seq.cache_mut(), &ids, true, b.running.len()) {
+            b.preempted.push_front(req);
+            return; // the oldest preempted request goes first
         }
+        b.running.push(req);
+    }
+    let mut next = 0;
+    while b.running.len() < s.max_batch && next < b.waiting.len() {
+        let job = &b.waiting[next];
+        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.pool) {
+            next += 1;
+            continue;
+        }
+        let mut cache = b.pool.sequence(s.context);
+        // A prompt past the context is refused by `Request::start`, with no blocks.
+        let fits = job.prompt.len() <= s.context;
+        if fits
+            && !take_prefix(
+                &b.pool,
+                &mut cache,
+                &job.prompt,
+                job.cache_prompt,
+                b.running.len(),
+            )
+        {
+            break; // first come, first served: it waits for blocks, and those behind it
+        }
+        let Some(job) = b.waiting.remove(next) else {
+            break;
+        };
+        s.stats.waiting.fetch_sub(1, Ordering::AcqRel);
+        match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
+            Ok(req) => b.running.push(req),
+            Err(_) => s.stats.metrics.finished(Ended::Error),
+        }
+        fault.at(fault::Point::Admit);
     }
 }
 
+/// Whether the blocks for `ids` are free (one kept per running request), counting those of
+/// the longest prefix the pool holds when `reuse`: then the empty `cache` takes that prefix
+/// (the last token is always fed: its logits start the reply). Otherwise `cache` stays empty.
+fn take_prefix(
+    pool: &KvPool,
+    cache: &mut KvCache,
+    ids: &[u32],
+    reuse: bool,
+    running: usize,
+) -> bool {
+    if reuse {
+        cache.reuse_prefix(ids, ids.len().saturating_sub(1));
+    }
+    let rest = ids.len() - cache.len().min(ids.len());
+    if cache.blocks_needed(rest) + running <= pool.available() {
+        return true;
+    }
+    cache.reset();
+    false
+}
+
+/// Fewest more tokens a running request must share with a prompt than the pool holds for it
+/// to be worth waiting for that request to cache them.
+const WAIT_MIN_TOKENS: usize = 32;
+
 /// Whether a running request is prefilling a prompt that shares at least
-/// [`COPY_MIN_TOKENS`] more with `prompt` than any free cache holds: waiting for it to
-/// finish, then copying, beats prefilling the same tokens twice at once.
-fn prefix_on_its_way(running: &[Request], prompt: &[u32], free: &Slots) -> bool {
-    let have = free.longest_prefix(prompt);
+/// [`WAIT_MIN_TOKENS`] more with `prompt` than the pool holds: waiting for its blocks beats
+/// prefilling the same tokens twice at once.
+fn prefix_on_its_way(running: &[Request], prompt: &[u32], pool: &KvPool) -> bool {
+    let have = pool.cached(prompt, prompt.len().saturating_sub(1));
     running.iter().filter(|r| r.seq.prefilling()).any(|r| {
-        let n = common_prefix(r.seq.history(), prompt);
-        n.min(prompt.len().saturating_sub(1)) >= have.max(r.seq.cache().len()) + COPY_MIN_TOKENS
+        let n = crate::kv_cache::common_prefix(r.seq.history(), prompt);
+        n.min(prompt.len().saturating_sub(1)) >= have.max(r.seq.cache().len()) + WAIT_MIN_TOKENS
     })
+}
+
+/// Before a step: while the running requests need more blocks than the pool has free,
+/// preempts the one admitted last (never the only one: the pool holds at least one whole
+/// `--context`). Its blocks go back; it resumes first, recomputing what it had.
+fn make_room<'t>(
+    running: &mut Vec<Request<'t>>,
+    preempted: &mut VecDeque<Request<'t>>,
+    pool: &KvPool,
+    stats: &Stats,
+) {
+    loop {
+        let mut budget = PREFILL_PER_STEP;
+        let need: usize = (running.iter())
+            .map(|r| {
+                let n = r.seq.next_feed(budget);
+                if r.seq.prefilling() {
+                    budget -= n;
+                }
+                r.seq.cache().blocks_needed(n)
+            })
+            .sum();
+        if need <= pool.available() || running.len() <= 1 {
+            return;
+        }
+        let Some(mut req) = running.pop() else {
+            return;
+        };
+        req.seq.cache_mut().release();
+        stats.metrics.preempted.fetch_add(1, Ordering::Relaxed);
+        preempted.push_front(req);
+    }
 }
 
 /// Counts a request out of the queue; `false`, for `retain`, to drop it.

@@ -206,14 +206,17 @@ fn bad_flags_and_a_taken_port_fail_in_one_line() {
         "holds no sequence of --context 256 tokens",
     );
     fails(&["--kv-memory", "lots"], "--kv-memory");
+    // A pool of whole blocks of 32 positions (65,536 bytes each): more than 2 sequences
+    // of 256 positions, fewer than --max-batch's 8.
     let server = Server::start(&["--kv-memory", "1.1M", "--max-batch", "8"]);
-    assert!(
-        server.log().contains("bytes for 2 x 256 positions"),
-        "{}",
-        server.log()
+    let blocks = 1_100_000 / 65536;
+    let line = format!(
+        "KV pool: {} bytes, {blocks} blocks of 32 positions",
+        blocks * 65536
     );
+    assert!(server.log().contains(&line), "{line}: {}", server.log());
     let (_, health) = server.get("/health");
-    assert_eq!(health["max_batch"], 2, "{health}");
+    assert_eq!(health["max_batch"], 8, "{health}");
     drop(server);
     let server = Server::start(&[]);
     let port = server.url.rsplit(':').next().unwrap().to_string();

@@ -8,6 +8,7 @@ mod fuzz;
 mod harness;
 mod logprobs;
 mod metrics;
+mod pool;
 mod prefix;
 mod structured;
 mod tools;

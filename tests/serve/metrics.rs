@@ -97,9 +97,17 @@ fn metrics_count_what_the_clients_saw() {
         (completion - 4) as f64
     );
     // (The gauges are stored after the step that answered: not asserted at 0 here.)
-    let caches = get("tiny_decoder_kv_caches{state=\"free\"}")
-        + get("tiny_decoder_kv_caches{state=\"used\"}");
-    assert_eq!(caches, 2.0);
+    let states = ["used", "cached", "free"];
+    let blocks: f64 = (states.iter())
+        .map(|s| get(&format!("tiny_decoder_kv_blocks{{state=\"{s}\"}}")))
+        .sum();
+    // --max-batch 2 x tiny-gqa's context of 256 positions, in blocks of 32.
+    assert_eq!(blocks, 16.0, "every block is in one state");
+    assert!(
+        get("tiny_decoder_kv_blocks{state=\"cached\"}") > 0.0,
+        "the prompts stay cached"
+    );
+    assert_eq!(get("tiny_decoder_requests_preempted_total"), 0.0);
     let hit = get("tiny_decoder_prefix_cache_hit_ratio");
     assert!((hit - cached as f64 / prompt as f64).abs() < 1e-9);
 }

@@ -1,5 +1,6 @@
-//! Prefix reuse across requests: a prompt that begins with what a free cache holds (the turn
-//! before of the same conversation) prefills only the rest, reports it as
+//! Prefix reuse across requests: a prompt that begins with what the KV pool holds (the turn
+//! before of the same conversation, every token of it; a running request's prompt, in whole
+//! blocks of 32 positions) prefills only the rest, reports it as
 //! `prompt_tokens_details.cached_tokens`, and answers as if nothing were cached.
 
 use super::harness::Server;
@@ -97,7 +98,7 @@ fn a_chat_prefills_only_its_new_turn() {
 }
 
 #[test]
-fn a_prompt_sharing_a_running_requests_prefix_copies_it_and_answers_the_same() {
+fn a_prompt_sharing_a_running_requests_prefix_shares_its_blocks_and_answers_the_same() {
     let server = Server::start(&["--max-batch", "2"]);
     let shared: Vec<u32> = (0..150).map(|i| 3 + (i * 11 % 500)).collect();
     let mut first = shared.clone();
@@ -116,8 +117,9 @@ fn a_prompt_sharing_a_running_requests_prefix_copies_it_and_answers_the_same() {
     let body = json!({"prompt": second, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
     let (status, reply) = server.post("/v1/completions", &body);
     assert_eq!(status, 200, "{reply}");
+    // The whole blocks the running request filled (150 positions: 4 blocks of 32).
     let cached = &reply["usage"]["prompt_tokens_details"]["cached_tokens"];
-    assert_eq!(cached, shared.len(), "{reply}");
+    assert_eq!(cached, shared.len() / 32 * 32, "{reply}");
     let fresh = Server::start(&[]);
     let (_, uncached) = fresh.post("/v1/completions", &body);
     assert_eq!(reply["choices"][0]["text"], uncached["choices"][0]["text"]);
@@ -150,13 +152,14 @@ fn requests_arriving_together_with_one_system_prompt_prefill_it_once() {
                 .unwrap()
         })
         .collect();
-    // One prefilled the system prompt; the others waited for it and copied it.
-    let prefilled_it = cached.iter().filter(|&&c| c < shared.len() as u64).count();
+    // One prefilled the system prompt; the others waited for it and took its whole blocks.
+    let blocks = (shared.len() / 32 * 32) as u64;
+    let prefilled_it = cached.iter().filter(|&&c| c < blocks).count();
     assert_eq!(prefilled_it, 1, "cached tokens per request: {cached:?}");
 }
 
 #[test]
-fn a_new_conversation_takes_an_empty_cache_rather_than_cut_a_cached_one() {
+fn a_new_conversation_reuses_a_shared_opening_without_cutting_a_cached_one() {
     let server = Server::start(&["--max-batch", "2"]);
     // A conversation's turn, cached when it ends.
     let first: Vec<u32> = (0..120).map(|i| 3 + (i * 7 % 300)).collect();
@@ -166,10 +169,11 @@ fn a_new_conversation_takes_an_empty_cache_rather_than_cut_a_cached_one() {
     other.extend((0..40).map(|i| 400 + i));
     let (_, usage) = completion_ids(&server, &other, 4);
     assert_eq!(
-        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        usage["prompt_tokens_details"]["cached_tokens"], 10,
         "{usage}"
     );
-    // The first conversation's next turn still finds all of it.
+    // It wrote into a copy of the block it shared: the first conversation's next turn
+    // still finds all of it.
     let mut next = first.clone();
     next.extend(&ids);
     next.extend([9, 10]);

@@ -9,9 +9,14 @@
 //! merged at the end. Scores use the [`simd`] matrix kernel (the group's query heads are the
 //! rows of x, the cached keys the rows of W); the value sum is `accumulate`.
 //!
+//! A paged cache (`serve`'s pool, [`crate::kv_cache::Pages`]) is read through its block
+//! table: each block of positions is a few runs of adjacent pool rows, scored into one row
+//! of scores per head and summed run by run, with no copy of the keys or values.
+//!
 //! Over 300 lines on purpose: one candle op, whose blocks, merge and f32/bf16 cache reads
 //! only make sense together; the NEON forms are in `arm`.
 
+use crate::kv_cache::Pages;
 use crate::model::linear::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
@@ -21,14 +26,18 @@ use half::bf16;
 /// Cached positions per block: enough work per block to pay for the hand-off, and a block's
 /// keys and values (2 × 256 × 128 × 4 bytes at most for the usual head sizes) stay in L2.
 const BLOCK: usize = 256;
+// A block of this op is whole blocks of a paged cache.
+const _: () = assert!(BLOCK.is_multiple_of(crate::kv_cache::BLOCK));
 
 /// `softmax(q · kᵀ · scale) · v` for q (B, H, 1, Dk), k (B, G, S, Dk), v (B, G, S, Dv),
 /// H a multiple of G; k and v may be views of a longer cache (k's rows contiguous, v's rows
 /// each contiguous but possibly further apart: MLA's values are the first kv_lora_rank
-/// columns of its cached rows `[c_kv | k_pe]`, whose whole rows are its keys).
+/// columns of its cached rows `[c_kv | k_pe]`, whose whole rows are its keys). With `pages`,
+/// k and v are a pool's whole tensors and the positions are `pages`' (S is the pool's size).
 #[derive(Debug, Clone, Copy)]
-pub struct DecodeAttention {
+pub struct DecodeAttention<'a> {
     pub scale: f32,
+    pub pages: Option<&'a Pages>,
 }
 
 /// Whether the op takes this query: f32 or bf16 on a CPU with AVX-512, AVX2 + FMA or NEON,
@@ -69,7 +78,11 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str, gaps: bool) -> Result
 /// kernel, values widened in [`accumulate`]). The query comes in the layout the key kernel
 /// reads: as is for f32, [`simd::pair_layout`] for bf16, made once per step by the caller.
 pub(super) trait Cached: Copy + Sync {
-    fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: &mut [f32]);
+    /// `out[h·ld + j]` = query head h · key row j, for every row of `k`.
+    ///
+    /// # Safety
+    /// `out` is valid for writes at every `h·ld + j` and nothing else touches them.
+    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: *mut f32, ld: usize);
     fn widen(self) -> f32;
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
@@ -77,8 +90,9 @@ pub(super) trait Cached: Copy + Sync {
 }
 
 impl Cached for f32 {
-    fn scores(isa: Isa, q: &[f32], d: usize, k: &[f32], out: &mut [f32]) {
-        simd::rows_f32(isa, q, d, k, out)
+    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[f32], out: *mut f32, ld: usize) {
+        // SAFETY: the caller's contract is the kernel's.
+        unsafe { simd::rows_f32_strided(isa, q, d, k, out, ld) }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -92,8 +106,9 @@ impl Cached for f32 {
 }
 
 impl Cached for u16 {
-    fn scores(isa: Isa, q: &[f32], d: usize, k: &[u16], out: &mut [f32]) {
-        simd::rows_bf16(isa, q, d, k, out)
+    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[u16], out: *mut f32, ld: usize) {
+        // SAFETY: as for f32.
+        unsafe { simd::rows_bf16_strided(isa, q, d, k, out, ld) }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -106,26 +121,60 @@ impl Cached for u16 {
     }
 }
 
-/// Attention over positions `p0..p1` of one (batch, K/V head): `q` holds the group's query
-/// heads (hg × dk, in the layout of [`Cached`]), `k` and `v` that head's cached rows from
-/// position 0 (v's `vs` apart).
+/// Attention over some positions of one (batch, K/V head): `q` holds the group's query heads
+/// (hg × dk, in the layout of [`Cached`]), `k` and `v` that head's cached rows from pool
+/// position 0 (v's `vs` apart), `runs` the positions as (first pool row, rows) in order.
 fn block<T: Cached>(
     isa: Isa,
     scale: f32,
     q: &[f32],
     (k, v): (&[T], &[T]),
     (dk, dv, vs): (usize, usize, usize),
-    (p0, p1): (usize, usize),
+    runs: &[(usize, usize)],
 ) -> Partial {
-    let (hg, len) = (q.len() / dk, p1 - p0);
+    let hg = q.len() / dk;
+    let len: usize = runs.iter().map(|&(_, n)| n).sum();
     let mut s = vec![0f32; hg * len];
-    T::scores(isa, q, dk, &k[p0 * dk..p1 * dk], &mut s);
+    let mut col = 0;
+    for &(at, n) in runs {
+        assert!(
+            col + n <= len && (at + n) * dk <= k.len(),
+            "runs inside the keys"
+        );
+        // SAFETY: s holds hg rows of len; this run writes columns col..col + n of each.
+        unsafe {
+            T::scores(
+                isa,
+                q,
+                dk,
+                &k[at * dk..(at + n) * dk],
+                s.as_mut_ptr().add(col),
+                len,
+            )
+        };
+        col += n;
+    }
     let (mut max, mut sum) = (vec![f32::NEG_INFINITY; hg], vec![0f32; hg]);
     for ((row, m), total) in s.chunks_exact_mut(len).zip(&mut max).zip(&mut sum) {
         (*m, *total) = tile::softmax_row(isa, row, scale);
     }
     let mut acc = vec![0f32; hg * dv];
-    tile::accumulate(isa, &s, &v[p0 * vs..(p1 - 1) * vs + dv], (dv, vs), &mut acc);
+    let values = |at: usize, n: usize| &v[at * vs..(at + n - 1) * vs + dv];
+    match runs {
+        [(at, n)] => tile::accumulate(isa, &s, values(*at, *n), (dv, vs), &mut acc),
+        _ => {
+            // Each run's weights as hg rows of its own, then its values.
+            let (mut p, mut col) = (Vec::with_capacity(hg * BLOCK), 0);
+            for &(at, n) in runs {
+                p.clear();
+                for row in s.chunks_exact(len) {
+                    p.extend_from_slice(&row[col..col + n]);
+                }
+                tile::accumulate(isa, &p, values(at, n), (dv, vs), &mut acc);
+                col += n;
+            }
+        }
+    }
     Partial { max, sum, acc }
 }
 
@@ -137,7 +186,9 @@ fn attend<T: Cached>(
     (v, vl): (&[T], &Layout),
     (b, h, dk): (usize, usize, usize),
 ) -> Result<Vec<f32>> {
-    let (_, g, s, _) = kl.shape().dims4()?;
+    // `rows`: the positions stored per head; `s`: the positions attended over.
+    let (_, g, rows, _) = kl.shape().dims4()?;
+    let s = op.pages.map_or(rows, Pages::len);
     let dv = vl.dims()[3];
     let (hg, blocks, isa) = (h / g, s.div_ceil(BLOCK), Isa::current());
     let mut heads = Vec::with_capacity(b * g);
@@ -150,8 +201,8 @@ fn attend<T: Cached>(
             let q0 = (bi * h + gi * hg) * dk;
             heads.push((
                 &q[q0..q0 + hg * dk],
-                &k[ko..ko + s * dk],
-                &v[vo..vo + (s - 1) * vs + dv],
+                &k[ko..ko + rows * dk],
+                &v[vo..vo + (rows - 1) * vs + dv],
             ));
         }
     }
@@ -160,15 +211,12 @@ fn attend<T: Cached>(
         .collect();
     Pool::global().run(parts.len(), &|i| {
         let (qh, kh, vh) = heads[i / blocks];
-        let p0 = (i % blocks) * BLOCK;
-        let part = block(
-            isa,
-            op.scale,
-            qh,
-            (kh, vh),
-            (dk, dv, vs),
-            (p0, (p0 + BLOCK).min(s)),
-        );
+        let (p0, p1) = ((i % blocks) * BLOCK, ((i % blocks + 1) * BLOCK).min(s));
+        let runs = match op.pages {
+            Some(pages) => pages.runs(p0, p1),
+            None => vec![(p0, p1 - p0)],
+        };
+        let part = block(isa, op.scale, qh, (kh, vh), (dk, dv, vs), &runs);
         *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
     });
     // Merge: out = Σ_c e^(max_c - M) acc_c / Σ_c e^(max_c - M) sum_c, M the overall max.
@@ -194,7 +242,7 @@ fn attend<T: Cached>(
     Ok(out)
 }
 
-impl CustomOp3 for DecodeAttention {
+impl CustomOp3 for DecodeAttention<'_> {
     fn name(&self) -> &'static str {
         "decode-attention"
     }
@@ -219,9 +267,9 @@ impl CustomOp3 for DecodeAttention {
                 vl.dims()
             )));
         }
-        if s == 0 || h % g != 0 {
+        if s == 0 || h % g != 0 || !self.pages.is_none_or(|p| p.within(s)) {
             return Err(Error::Msg(
-                "decode attention: no keys, or heads not grouped".into(),
+                "decode attention: no keys, heads not grouped, or pages outside the pool".into(),
             ));
         }
         let Some((q0, q1)) = ql.contiguous_offsets() else {

@@ -1,9 +1,9 @@
 //! Multi-head attention with `num_kv_heads` key/value heads: MHA when it equals the number of
 //! query heads, MQA when it is 1, GQA in between. One implementation for all three.
 
-use super::{join, sdpa, Span};
+use super::{join, sdpa_held, Span};
 use crate::config::{AttentionConfig, ModelConfig};
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::LayerView;
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, Linear};
@@ -75,7 +75,7 @@ impl GqaAttention {
         x: &Tensor,
         rope: &Rotation,
         spans: &[Span],
-        caches: &[&LayerCache],
+        caches: &[LayerView],
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -97,9 +97,9 @@ impl GqaAttention {
             .iter()
             .zip(caches)
             .map(|(span, cache)| {
-                let (k, v) = cache.write(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos)?;
+                let held = cache.write_held(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos)?;
                 let q = span.rows(&q, 2)?;
-                let y = sdpa(&q, &k, &v, 1.0 / (d as f64).sqrt(), span.mask.as_ref())?;
+                let y = sdpa_held(&q, &held, 1.0 / (d as f64).sqrt(), span.mask.as_ref())?;
                 y.transpose(1, 2)?.reshape((b, span.len, h * d)) // (1, len, H·D)
             })
             .collect::<Result<Vec<_>>>()?;

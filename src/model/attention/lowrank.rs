@@ -10,7 +10,7 @@
 
 use super::{decode, join, sdpa, Span};
 use crate::config::{AttentionConfig, ModelConfig};
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::LayerView;
 use crate::model::linear::quantize_all;
 use crate::model::linear::{linear_b, Linear, Quantizer};
 use crate::model::rope::{Rope, Rotation};
@@ -105,7 +105,7 @@ impl LowRankAttention {
         x: &Tensor,
         rope: &Rotation,
         spans: &[Span],
-        caches: &[&LayerCache],
+        caches: &[LayerView],
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);

@@ -18,7 +18,7 @@ use super::{join, sdpa, Span};
 
 mod forms;
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::{LayerCache, LayerView};
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, linear_no_bias, Linear};
@@ -168,7 +168,7 @@ impl MlaAttention {
         x: &Tensor,
         rope: &Rotation,
         spans: &[Span],
-        caches: &[&LayerCache],
+        caches: &[LayerView],
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         let m = &self.cfg;
@@ -245,15 +245,15 @@ impl MlaAttention {
         (q_nope, q_pe): (&Tensor, &Tensor),
         (c_kv, k_pe): (&Tensor, &Tensor),
         span: &Span,
-        cache: &LayerCache,
+        cache: &LayerView,
         form: MlaForm,
     ) -> Result<Tensor> {
         let (m, mask, pos) = (&self.cfg, span.mask.as_ref(), span.pos);
         let q_full = || Tensor::cat(&[q_nope, q_pe], D::Minus1);
-        match (cache, form) {
+        match (cache.layer(), form) {
             // The latent cache: only rows [c_kv | k_pe] are stored; read back all S positions.
             (LayerCache::Latent { .. }, MlaForm::Absorbed) => {
-                let rows = cache.write_latent(c_kv, k_pe, pos)?; // (1, 1, S, r + rope)
+                let rows = cache.write_held(c_kv, k_pe, pos)?; // (1, 1, S, r + rope)
                 self.absorbed(q_nope, q_pe, &rows, mask)
             }
             (LayerCache::Latent { .. }, MlaForm::Expanded) => {

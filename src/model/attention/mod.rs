@@ -13,7 +13,7 @@ pub use mla::MlaAttention;
 
 use super::rope::Rotation;
 use crate::config::{AttentionConfig, ModelConfig};
-use crate::kv_cache::LayerCache;
+use crate::kv_cache::{Held, LayerView};
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
@@ -52,7 +52,7 @@ impl Attention {
         x: &Tensor,
         rope: &Rotation,
         spans: &[Span],
-        caches: &[&LayerCache],
+        caches: &[LayerView],
     ) -> Result<Tensor> {
         match self {
             Attention::Gqa(a) => a.forward(x, rope, spans, caches),
@@ -150,11 +150,10 @@ pub fn sdpa(
 ) -> Result<Tensor> {
     let (b, h, t, dk) = q.dims4()?;
     let g = k.dim(1)?;
-    // The decode op takes one dtype throughout, or f32 queries over a bf16 cache.
-    let fits = k.dtype() == v.dtype() && (q.dtype() == k.dtype() || q.dtype() == DType::F32);
-    if t == 1 && mask.is_none() && fits && decode::takes(k) {
+    if t == 1 && mask.is_none() && decode_takes(q, k, v) {
         let op = decode::DecodeAttention {
             scale: scale as f32,
+            pages: None,
         };
         return q.contiguous()?.apply_op3_no_bwd(k, v, &op); // (B, H, 1, Dv)
     }
@@ -170,6 +169,32 @@ pub fn sdpa(
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
     let scores = q.matmul(&k.t()?)?; // (B, G, H/G·T, S)
     attend(&scores, v, h, t, scale, mask)
+}
+
+/// Whether the decode op takes these: one dtype throughout, or f32 queries over a bf16 cache.
+fn decode_takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let fits = k.dtype() == v.dtype() && (q.dtype() == k.dtype() || q.dtype() == DType::F32);
+    fits && decode::takes(k)
+}
+
+/// [`sdpa`] over what a cache holds: a paged sequence's single new token reads the pool
+/// through its block table in the decode op; anything else gathers its positions first.
+pub fn sdpa_held(q: &Tensor, held: &Held, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
+    let (k, v) = (&held.k, &held.v);
+    match held.pages {
+        Some(pages) if q.dim(2)? == 1 && mask.is_none() && decode_takes(q, k, v) => {
+            let op = decode::DecodeAttention {
+                scale: scale as f32,
+                pages: Some(pages),
+            };
+            q.contiguous()?.apply_op3_no_bwd(k, v, &op)
+        }
+        Some(_) => {
+            let (k, v) = held.gathered()?;
+            sdpa(q, &k, &v.contiguous()?, scale, mask)
+        }
+        None => sdpa(q, k, v, scale, mask),
+    }
 }
 
 /// The shared tail of every attention: scale, mask, softmax (in f32), weighted sum of `v`.

@@ -5,7 +5,8 @@
 
 use super::{MlaAttention, UpProj};
 use crate::config::MlaConfig;
-use crate::model::attention::{decode, sdpa};
+use crate::kv_cache::Held;
+use crate::model::attention::{decode, sdpa, sdpa_held};
 use crate::model::linear::{matvec, Linear};
 use candle_core::{Error, Result, Tensor, D};
 
@@ -91,12 +92,13 @@ impl MlaAttention {
     /// Attend over the latents as one shared K/V head (like MQA): the keys are the cached rows
     /// `[c_kv | k_pe]` (1, 1, S, r + rope), the values their first r columns (a view), and
     /// each query head is `[q_nope · W_UK, q_pe]`. One new token without a mask runs in the
-    /// fused decode op of [`sdpa`], which reads each cached row once for all heads.
+    /// fused decode op of [`sdpa_held`], which reads each cached row once for all heads (through
+    /// the block table of a paged cache).
     pub(super) fn absorbed(
         &self,
         q_nope: &Tensor,
         q_pe: &Tensor,
-        rows: &Tensor,
+        rows: &Held,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
         let m = &self.cfg;
@@ -119,15 +121,15 @@ impl MlaAttention {
         let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
                                                                           // One new token: the fused op reads the values as a view of the rows. Otherwise
                                                                           // candle's ops, in the activations' dtype, on contiguous values.
-        let (rows, v) = match t == 1 && mask.is_none() && decode::takes(rows) {
-            true => (rows.clone(), rows.narrow(D::Minus1, 0, r)?),
+        let o_lat = match t == 1 && mask.is_none() && decode::takes(&rows.k) {
+            true => sdpa_held(&q, rows, m.softmax_scale, mask)?,
             false => {
+                let (rows, _) = rows.gathered()?;
                 let rows = rows.to_dtype(act)?;
                 let v = rows.narrow(D::Minus1, 0, r)?.contiguous()?;
-                (rows, v)
+                sdpa(&q, &rows, &v, m.softmax_scale, mask)?
             }
-        };
-        let o_lat = sdpa(&q, &rows, &v, m.softmax_scale, mask)?; // (B, H, T, r)
+        }; // (B, H, T, r)
         let UpProj::PerHead { w_uv, .. } = &self.up else {
             return o_lat.to_dtype(act); // o_proj reads the latent outputs
         };

@@ -1,0 +1,562 @@
+//! The KV cache: per layer, one preallocated pool of positions in blocks of [`BLOCK`]
+//! ([`KvPool`]), and per sequence a [`KvCache`], the table of blocks that holds its
+//! positions in order, owned by the caller and passed into `forward`.
+//!
+//! A cache of its own (`generate`, `chat`, `eval`, `bench`: [`KvCache::new`]) is a pool of
+//! exactly its capacity whose blocks are all its own, in order: its positions are one run,
+//! read as views, as a flat cache would be. The server's sequences share one pool sized by
+//! memory (`serve --kv-memory`, vLLM's paged attention): a sequence takes a block when it
+//! needs one, gives its blocks back when it ends, and shares the full blocks of a prefix
+//! another sequence cached ([`blocks`]). Reading a paged sequence's positions, the fused
+//! decode op follows the table ([`Pages`]); everything else gathers them first.
+//!
+//! Every entry is allocated once and written in place with `slice_set`: no `Tensor::cat` per
+//! step. (candle-nn's `kv_cache::Cache` allocates on first use and grows by concatenation
+//! past its capacity; we want a hard capacity and an error.)
+
+mod blocks;
+mod pages;
+
+pub use blocks::Usage;
+pub use pages::{Held, LayerView, Pages};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use blocks::Blocks;
+use candle_core::{DType, Device, Tensor};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How many leading tokens `a` and `b` share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Positions per block: small enough that a sequence wastes at most 31 positions, large
+/// enough that a block's rows are long runs for the decode op (vLLM uses 16).
+pub const BLOCK: usize = 32;
+
+/// What one layer caches. Both variants are (1, heads, capacity, width) so that positions are
+/// always dimension 2. Not `Clone`: a clone would share the buffers (see [`KvCache`]).
+#[derive(Debug)]
+pub enum LayerCache {
+    /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
+    Kv { k: Tensor, v: Tensor },
+    /// MLA: per position one row `[c_kv | k_pe]`, the normalised latent (width `rank`,
+    /// kv_lora_rank) and then the rotated shared key (width qk_rope_head_dim), as one "head"
+    /// (1, 1, capacity, rank + rope). One row, not two tensors, so that the absorbed decode
+    /// reads it as the keys of one K/V head and its first `rank` values as the values (see
+    /// [`LayerCache::write_latent`]). Low-rank K/V (`kv_latent_rank`): the latent, no `k_pe`.
+    Latent { rows: Tensor, rank: usize },
+}
+
+impl LayerCache {
+    /// Writes `a` and `b` (1, heads, T, width) at pool position `at`, in the cache's dtype:
+    /// K and V, or for the latent cache the rows `[a | b]` (`b` may be 0 wide).
+    fn put(&self, a: &Tensor, b: &Tensor, at: usize) -> candle_core::Result<()> {
+        match self {
+            LayerCache::Kv { k, v } => {
+                k.slice_set(&a.to_dtype(k.dtype())?.contiguous()?, 2, at)?;
+                v.slice_set(&b.to_dtype(v.dtype())?.contiguous()?, 2, at)
+            }
+            LayerCache::Latent { rows, .. } => {
+                let new = match b.elem_count() {
+                    0 => a.to_dtype(rows.dtype())?,
+                    _ => Tensor::cat(&[a.to_dtype(rows.dtype())?, b.to_dtype(rows.dtype())?], 3)?,
+                };
+                rows.slice_set(&new.contiguous()?, 2, at)
+            }
+        }
+    }
+
+    /// The pool's tensors: (K, V), or the latent rows twice.
+    fn tensors(&self) -> [&Tensor; 2] {
+        match self {
+            LayerCache::Kv { k, v } => [k, v],
+            LayerCache::Latent { rows, .. } => [rows, rows],
+        }
+    }
+
+    /// Copies block `from`'s positions to block `to`.
+    fn copy_block(&self, from: usize, to: usize) -> candle_core::Result<()> {
+        let tensors = match self {
+            LayerCache::Kv { k, v } => vec![k, v],
+            LayerCache::Latent { rows, .. } => vec![rows],
+        };
+        for t in tensors {
+            t.slice_set(
+                &t.narrow(2, from * BLOCK, BLOCK)?.contiguous()?,
+                2,
+                to * BLOCK,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The storage every cache of a pool shares: per layer a [`LayerCache`] of `positions`
+/// positions, and which sequence holds which block.
+#[derive(Debug)]
+struct Pool {
+    layers: Vec<LayerCache>,
+    blocks: Mutex<Blocks>,
+    /// Positions per layer tensor: blocks × [`BLOCK`], or a private cache's capacity.
+    positions: usize,
+    block_count: usize,
+    bytes_per_token: usize,
+    /// Whether sequences come and go (the server's pool) rather than one cache owning all.
+    sharing: bool,
+}
+
+impl Pool {
+    /// The block table's state. Nothing panics while it is locked, but a poisoned lock is
+    /// taken as it is rather than spread the panic.
+    fn blocks(&self) -> MutexGuard<'_, Blocks> {
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Blocks of positions shared by many sequences (the server's): each [`KvPool::sequence`]
+/// takes blocks as it grows and gives them back when dropped; full blocks are indexed by
+/// their prefix, so that a new sequence starts from what another cached
+/// ([`KvCache::reuse_prefix`]).
+#[derive(Debug, Clone)]
+pub struct KvPool(Arc<Pool>);
+
+impl KvPool {
+    /// A pool of as many whole blocks as `bytes` holds (at least one).
+    pub fn new(cfg: &ModelConfig, bytes: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let per_block = cfg.cache_layout(false).values()
+            * cfg.num_hidden_layers
+            * dtype.size_in_bytes()
+            * BLOCK;
+        let blocks = bytes / per_block.max(1);
+        if blocks == 0 {
+            return Err(Error::Invalid(format!(
+                "--kv-memory {bytes} bytes holds no block of {BLOCK} positions ({per_block} \
+                 bytes for this model)"
+            )));
+        }
+        Ok(Self(Arc::new(build(
+            cfg,
+            blocks,
+            blocks * BLOCK,
+            dtype,
+            dev,
+            false,
+            true,
+        )?)))
+    }
+
+    /// An empty cache in this pool for at most `capacity` positions.
+    pub fn sequence(&self, capacity: usize) -> KvCache {
+        KvCache::in_pool(self.0.clone(), Vec::new(), capacity)
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.0.block_count
+    }
+
+    /// Blocks by state now.
+    pub fn usage(&self) -> Usage {
+        self.0.blocks().usage()
+    }
+
+    /// Blocks a sequence could take now (free, or cached and evictable).
+    pub fn available(&self) -> usize {
+        self.0.blocks().available()
+    }
+
+    /// How many leading positions of `ids[..max]` the index holds.
+    pub fn cached(&self, ids: &[u32], max: usize) -> usize {
+        self.0.blocks().lookup(ids, max).1
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.0.positions * self.0.bytes_per_token
+    }
+
+    pub fn bytes_per_token(&self) -> usize {
+        self.0.bytes_per_token
+    }
+}
+
+/// The layers' tensors of `positions` positions in `blocks` blocks.
+fn build(
+    cfg: &ModelConfig,
+    blocks: usize,
+    positions: usize,
+    dtype: DType,
+    dev: &Device,
+    expanded: bool,
+    sharing: bool,
+) -> Result<Pool> {
+    let layout = cfg.cache_layout(expanded);
+    let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
+    crate::config::check_fits(
+        positions.saturating_mul(bytes_per_token),
+        &format!("the KV cache for {positions} positions"),
+        "use fewer tokens (a shorter prompt, --max-new-tokens, --context or --kv-memory)",
+    )?;
+    let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
+    let layers = (0..cfg.num_hidden_layers)
+        .map(|_| {
+            let zeros = |heads, width| Tensor::zeros((1, heads, positions, width), dtype, dev);
+            Ok(match layout.kv {
+                true => LayerCache::Kv {
+                    k: zeros(ha, wa)?,
+                    v: zeros(hb, wb)?,
+                },
+                // One "head" each (`cache_layout`): rows of both widths side by side.
+                false => LayerCache::Latent {
+                    rows: zeros(1, wa + wb)?,
+                    rank: wa,
+                },
+            })
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Pool {
+        layers,
+        blocks: Mutex::new(Blocks::new(blocks, BLOCK, sharing)),
+        positions,
+        block_count: blocks,
+        bytes_per_token,
+        sharing,
+    })
+}
+
+/// One sequence's cache: the blocks that hold its positions, in order, the tokens it holds,
+/// and how many positions are filled.
+///
+/// Not `Clone`: candle tensors are reference-counted and the cache writes them in place, so a
+/// derived clone would share every buffer, and writing to one would corrupt the other.
+#[derive(Debug)]
+pub struct KvCache {
+    pool: Arc<Pool>,
+    /// Block ids; block i holds positions i·BLOCK..(i + 1)·BLOCK. Blocks past `len` are
+    /// kept for the next positions.
+    table: Vec<u32>,
+    /// The token at each filled position.
+    ids: Vec<u32>,
+    capacity: usize,
+    /// Leading blocks of `table` that are indexed (or were found in the index).
+    indexed: usize,
+}
+
+impl KvCache {
+    /// A cache of its own for `capacity` positions (at most the model's context length),
+    /// every position allocated now.
+    pub fn new(cfg: &ModelConfig, capacity: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        Self::private(cfg, capacity, dtype, dev, false)
+    }
+
+    /// For MLA models, a cache of the up-projected per-head K and V instead of the latent,
+    /// the memory MHA with the same heads would need. For comparisons only (`bench
+    /// --mla-cache expanded`); other models get their usual cache.
+    pub fn expanded(
+        cfg: &ModelConfig,
+        capacity: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        Self::private(cfg, capacity, dtype, dev, true)
+    }
+
+    fn private(
+        cfg: &ModelConfig,
+        capacity: usize,
+        dtype: DType,
+        dev: &Device,
+        expanded: bool,
+    ) -> Result<Self> {
+        if capacity == 0 || capacity > cfg.max_position_embeddings {
+            return Err(Error::Invalid(format!(
+                "cache capacity {capacity} must be between 1 and the context length ({})",
+                cfg.max_position_embeddings
+            )));
+        }
+        let blocks = capacity.div_ceil(BLOCK);
+        let pool = build(cfg, blocks, capacity, dtype, dev, expanded, false)?;
+        // Every block, in order: one run of positions, read as views.
+        let table = (0..blocks)
+            .map(|_| pool.blocks().take().expect("a fresh pool of this size"))
+            .collect();
+        Ok(Self::in_pool(Arc::new(pool), table, capacity))
+    }
+
+    fn in_pool(pool: Arc<Pool>, table: Vec<u32>, capacity: usize) -> Self {
+        Self {
+            pool,
+            table,
+            ids: Vec::new(),
+            capacity,
+            indexed: 0,
+        }
+    }
+
+    /// Positions filled so far (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The tokens the filled positions hold, in order.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Bytes one token occupies over all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        self.pool.bytes_per_token
+    }
+
+    /// Bytes holding cached tokens now.
+    pub fn bytes_in_use(&self) -> usize {
+        self.len() * self.pool.bytes_per_token
+    }
+
+    /// Bytes of the blocks this cache holds (a cache of its own: its whole capacity).
+    pub fn bytes_allocated(&self) -> usize {
+        (self.table.len() * BLOCK).min(self.pool.positions) * self.pool.bytes_per_token
+    }
+
+    /// Blocks this cache holds.
+    pub fn blocks(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Forgets every cached token. A cache of its own keeps its memory for reuse; a
+    /// sequence of a shared pool gives its blocks back (those of a cached prefix stay
+    /// indexed).
+    pub fn reset(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Keeps only the first `len` positions (no-op when it holds fewer): the next token goes
+    /// at `len`. A chat turn keeps the prefix it shares. In a shared pool, the blocks past
+    /// `len` go back to it.
+    pub fn truncate(&mut self, len: usize) {
+        let len = self.len().min(len);
+        self.ids.truncate(len);
+        self.indexed = self.indexed.min(len / BLOCK);
+        if self.shared() {
+            let keep = len.div_ceil(BLOCK);
+            let mut blocks = self.pool.blocks();
+            for b in self.table.drain(keep..) {
+                blocks.release(b);
+            }
+        }
+    }
+
+    /// With an empty cache in a shared pool: takes the indexed blocks that hold the longest
+    /// prefix of `ids[..limit]` and returns the positions it now holds (none in a cache of
+    /// its own). Shared blocks are copied before the cache writes into one.
+    pub fn reuse_prefix(&mut self, ids: &[u32], limit: usize) -> usize {
+        if !self.is_empty() || !self.shared() {
+            return 0;
+        }
+        self.reset();
+        let mut blocks = self.pool.blocks();
+        let (found, n) = blocks.lookup(ids, limit.min(self.capacity));
+        for &b in &found {
+            blocks.hold(b);
+        }
+        drop(blocks);
+        self.table = found;
+        self.indexed = n / BLOCK;
+        self.ids = ids[..n].to_vec();
+        n
+    }
+
+    /// Gives every block back to a shared pool, indexing the last, partly filled one first
+    /// (its full ones are indexed already): a later prompt that begins with all this cache
+    /// held reuses every position (the next turn of a conversation; a preempted request
+    /// resuming). The cache is then empty.
+    pub fn release(&mut self) {
+        let (len, full) = (self.len(), self.len() / BLOCK);
+        if self.shared() && self.indexed == full && len % BLOCK != 0 {
+            let parent = full.checked_sub(1).map(|p| self.table[p]);
+            let tail = &self.ids[full * BLOCK..];
+            self.pool.blocks().register(self.table[full], parent, tail);
+        }
+        self.truncate(0);
+    }
+
+    /// Whether this cache's pool is shared (the server's), not its own.
+    fn shared(&self) -> bool {
+        self.pool.sharing
+    }
+
+    /// Blocks this cache would take to write `t` more tokens (0 in a cache of its own).
+    pub fn blocks_needed(&self, t: usize) -> usize {
+        (self.len() + t)
+            .div_ceil(BLOCK)
+            .saturating_sub(self.table.len())
+            + self.shared_tail(t)
+    }
+
+    /// 1 when the block the next token goes into is shared and must be copied first.
+    fn shared_tail(&self, t: usize) -> usize {
+        let i = self.len() / BLOCK;
+        let tail = self.table.get(i).copied();
+        match tail {
+            Some(b) if t > 0 && !self.pool.blocks().writable(b) => 1,
+            _ => 0,
+        }
+    }
+
+    /// Checks that `t` more tokens fit, and takes the blocks they need, before any layer
+    /// writes: blocks past the table from the pool, and a shared block that would be
+    /// written replaced by a copy of its own (copy on write).
+    pub(crate) fn reserve(&mut self, t: usize) -> Result<()> {
+        if self.len() + t > self.capacity {
+            return Err(Error::Invalid(format!(
+                "cache full: {} cached + {t} new tokens exceed its capacity of {}",
+                self.len(),
+                self.capacity
+            )));
+        }
+        let full = || {
+            Error::Invalid(format!(
+                "the KV pool is full: {} more positions need blocks of {BLOCK} and none is \
+                 free (serve --kv-memory)",
+                t
+            ))
+        };
+        let first = self.len() / BLOCK;
+        if let Some(&b) = self.table.get(first).filter(|_| t > 0) {
+            let mut blocks = self.pool.blocks();
+            if !blocks.writable(b) {
+                let copy = blocks.take().ok_or_else(full)?;
+                drop(blocks);
+                for layer in &self.pool.layers {
+                    layer.copy_block(b as usize, copy as usize)?;
+                }
+                let mut blocks = self.pool.blocks();
+                blocks.release(b);
+                self.table[first] = copy;
+            }
+            self.indexed = self.indexed.min(first);
+        }
+        let need = (self.len() + t).div_ceil(BLOCK);
+        let mut blocks = self.pool.blocks();
+        while self.table.len() < need {
+            let b = blocks.take().ok_or_else(full)?;
+            self.table.push(b);
+        }
+        Ok(())
+    }
+
+    /// Where positions `0..len` are, for a step that fills them up to `len` (after
+    /// [`KvCache::reserve`]).
+    pub(crate) fn pages(&self, len: usize) -> Pages {
+        Pages::new(&self.table[..len.div_ceil(BLOCK)], len)
+    }
+
+    /// Layer `i` of the pool, read through `pages`.
+    pub(crate) fn layer<'a>(&'a self, i: usize, pages: &'a Pages) -> LayerView<'a> {
+        LayerView::new(&self.pool.layers[i], pages)
+    }
+
+    /// Marks `ids` as written after what the cache held, once every layer has written
+    /// them; in a shared pool, indexes the blocks they fill.
+    pub(crate) fn advance(&mut self, ids: &[u32]) {
+        self.ids.extend_from_slice(ids);
+        if !self.shared() {
+            return;
+        }
+        let mut blocks = self.pool.blocks();
+        while (self.indexed + 1) * BLOCK <= self.ids.len() {
+            let i = self.indexed;
+            let parent = i.checked_sub(1).map(|p| self.table[p]);
+            blocks.register(self.table[i], parent, &self.ids[i * BLOCK..(i + 1) * BLOCK]);
+            self.indexed += 1;
+        }
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        self.release();
+        let mut blocks = self.pool.blocks();
+        for &b in &self.table {
+            blocks.release(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(x: f32, t: usize) -> Tensor {
+        Tensor::full(x, (1, 2, t, 3), &Device::Cpu).unwrap()
+    }
+
+    fn kv(positions: usize) -> LayerCache {
+        let k = Tensor::zeros((1, 2, positions, 3), DType::F32, &Device::Cpu).unwrap();
+        LayerCache::Kv {
+            v: k.zeros_like().unwrap(),
+            k,
+        }
+    }
+
+    fn row(t: &Tensor) -> Vec<Vec<f32>> {
+        t.get(0).unwrap().get(1).unwrap().to_vec2::<f32>().unwrap()
+    }
+
+    #[test]
+    fn one_run_of_blocks_is_written_in_place_and_read_as_views() {
+        let layer = kv(2 * BLOCK);
+        let pages = Pages::new(&[0, 1], 3);
+        let view = LayerView::new(&layer, &pages);
+        view.write(&tensor(1.0, 2), &tensor(-1.0, 2), 0).unwrap();
+        let (k, v) = view.write(&tensor(2.0, 1), &tensor(-2.0, 1), 2).unwrap();
+        assert_eq!(row(&k), vec![vec![1.0; 3], vec![1.0; 3], vec![2.0; 3]]);
+        assert_eq!(row(&v), vec![vec![-1.0; 3], vec![-1.0; 3], vec![-2.0; 3]]);
+        let LayerCache::Kv { k: buffer, .. } = &layer else {
+            unreachable!()
+        };
+        // The preallocated buffer itself was written (no copy).
+        assert_eq!(row(&buffer.narrow(2, 0, 3).unwrap()), row(&k));
+    }
+
+    #[test]
+    fn a_block_table_places_and_gathers_every_position() {
+        let layer = kv(4 * BLOCK);
+        // Positions 0..BLOCK + 2 in block 3, then block 1.
+        let pages = Pages::new(&[3, 1], BLOCK + 2);
+        assert!(pages.table().is_some());
+        assert_eq!(
+            pages.runs(BLOCK - 1, BLOCK + 2),
+            vec![(4 * BLOCK - 1, 1), (BLOCK, 2)]
+        );
+        let view = LayerView::new(&layer, &pages);
+        let ramp: Vec<f32> = (0..BLOCK + 2).flat_map(|p| [p as f32; 6]).collect();
+        let ramp = Tensor::from_vec(ramp, (1, BLOCK + 2, 2, 3), &Device::Cpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let held = view.write_held(&ramp, &ramp, 0).unwrap();
+        assert!(
+            held.pages.is_some(),
+            "paged: the pool's tensors and the table"
+        );
+        let (k, _) = held.gathered().unwrap();
+        let want: Vec<Vec<f32>> = (0..BLOCK + 2).map(|p| vec![p as f32; 3]).collect();
+        assert_eq!(row(&k), want);
+        let LayerCache::Kv { k: buffer, .. } = &layer else {
+            unreachable!()
+        };
+        assert_eq!(
+            row(&buffer.narrow(2, BLOCK, 1).unwrap()),
+            vec![vec![BLOCK as f32; 3]]
+        );
+    }
+}
