@@ -136,15 +136,13 @@ impl KvPool {
                  bytes for this model)"
             )));
         }
-        Ok(Self(Arc::new(build(
-            cfg,
-            blocks,
-            blocks * BLOCK,
-            dtype,
-            dev,
-            false,
-            true,
-        )?)))
+        let pool = build(cfg, blocks, blocks * BLOCK, dtype, dev, false, true)?;
+        for layer in &pool.layers {
+            for t in layer.tensors() {
+                commit(t)?;
+            }
+        }
+        Ok(Self(Arc::new(pool)))
     }
 
     /// An empty cache in this pool for at most `capacity` positions.
@@ -178,6 +176,19 @@ impl KvPool {
     pub fn bytes_per_token(&self) -> usize {
         self.0.bytes_per_token
     }
+}
+
+/// Writes zeros over all of `t`, a block at a time: the operating system hands out a fresh
+/// allocation's pages at their first write, so a pool that was only allocated would grow
+/// in memory as its blocks are first used. The server's pool is resident from the start, and
+/// its memory stays flat after. (A cache of its own commits only the positions it uses.)
+fn commit(t: &Tensor) -> Result<()> {
+    let (_, heads, positions, width) = t.dims4()?;
+    let zeros = Tensor::zeros((1, heads, BLOCK, width), t.dtype(), t.device())?;
+    for at in (0..positions).step_by(BLOCK) {
+        t.slice_set(&zeros, 2, at)?;
+    }
+    Ok(())
 }
 
 /// The layers' tensors of `positions` positions in `blocks` blocks.
