@@ -232,12 +232,17 @@ fn bench_batch_reports_aggregate_and_per_sequence_speed() {
     );
 }
 
-/// Models of every attention form: the fixtures' GQA/MQA/MHA and DeepSeek MLA, and tiny-gqa
+/// Models of every attention form: the fixtures' MHA, GQA, MQA and DeepSeek MLA, and tiny-gqa
 /// converted to low-rank K/V and to MLA in both layouts.
 fn every_form(dtype: DType) -> Vec<(String, Loaded)> {
     let mut models: Vec<(String, Loaded)> = ["llama-mha-tied", "mistral-gqa-headdim"]
         .iter()
-        .chain(&["qwen3-qknorm", "deepseek-v2", "deepseek-v3"])
+        .chain(&[
+            "llama-mqa-llama3",
+            "qwen3-qknorm",
+            "deepseek-v2",
+            "deepseek-v3",
+        ])
         .map(|name| (name.to_string(), load_dir(&fixture_dir(name), dtype)))
         .collect();
     let source = tiny_decoder::loader::open("tiny-gqa").unwrap();
@@ -303,8 +308,12 @@ fn a_paged_cache_answers_as_a_cache_of_its_own() {
 /// shared position copies the block first: neither sequence's answers move.
 #[test]
 fn a_shared_prefix_answers_as_if_prefilled_and_is_never_overwritten() {
-    let loaded = load_dir(&fixture_dir("mistral-gqa-headdim"), DType::F32);
-    let model = &loaded.model;
+    for (name, loaded) in every_form(DType::F32) {
+        shared_prefix(&name, &loaded.model);
+    }
+}
+
+fn shared_prefix(name: &str, model: &Transformer) {
     let cfg = model.config();
     let pool = KvPool::new(
         cfg,
@@ -328,11 +337,14 @@ fn a_shared_prefix_answers_as_if_prefilled_and_is_never_overwritten() {
     let mut b = pool.sequence(200);
     assert_eq!(b.reuse_prefix(&b_ids, b_ids.len() - 1), 64);
     let got = run(&mut b, &b_ids[64..]);
-    assert!(max_abs_diff(&got, &alone(&b_ids)) < 1e-4);
+    assert!(max_abs_diff(&got, &alone(&b_ids)) < 1e-4, "{name}");
     // A goes on, unharmed by B.
     let mut a_next = a_ids.clone();
     a_next.push(9);
-    assert!(max_abs_diff(&run(&mut a, &[9]), &alone(&a_next)) < 1e-4);
+    assert!(
+        max_abs_diff(&run(&mut a, &[9]), &alone(&a_next)) < 1e-4,
+        "{name}"
+    );
     // A ends: its 71 positions, the last block partly filled, are found whole by C and D,
     // who then write into that block: the first copies it, the second writes in place.
     drop(a);
@@ -345,10 +357,16 @@ fn a_shared_prefix_answers_as_if_prefilled_and_is_never_overwritten() {
     }
     for (cache, prompt) in both.iter_mut().zip(&prompts) {
         let got = run(cache, &prompt[71..]);
-        assert!(max_abs_diff(&got, &alone(prompt)) < 1e-4, "{prompt:?}");
+        assert!(
+            max_abs_diff(&got, &alone(prompt)) < 1e-4,
+            "{name}: {prompt:?}"
+        );
     }
     // B's answer to its next token is still its own.
     let mut b_next = b_ids.clone();
     b_next.push(5);
-    assert!(max_abs_diff(&run(&mut b, &[5]), &alone(&b_next)) < 1e-4);
+    assert!(
+        max_abs_diff(&run(&mut b, &[5]), &alone(&b_next)) < 1e-4,
+        "{name}"
+    );
 }

@@ -546,15 +546,15 @@ fn probe_decode_attention() -> candle_core::Result<()> {
         time(&format!("gqa 9/3 at {s}"), &q, &k, &v, s * 9 * 128)?;
         let (k, v) = (bf16((1, 1, s, 64))?, bf16((1, 1, s, 64))?);
         time(&format!("mqa at {s}"), &q, &k, &v, s * 9 * 128)?;
-        // The GQA cache paged: every other block of a pool twice the size, backwards.
+        // The GQA cache paged: the same blocks, shuffled (block i at 7i mod n).
         use tiny_decoder::kv_cache::{Pages, BLOCK};
         use tiny_decoder::model::attention::decode::DecodeAttention;
-        let blocks = s.div_ceil(BLOCK);
-        let table: Vec<u32> = (0..blocks).map(|i| (2 * (blocks - 1 - i)) as u32).collect();
+        let blocks = s.div_ceil(BLOCK) | 1;
+        let table: Vec<u32> = (0..blocks).map(|i| (i * 7 % blocks) as u32).collect();
         let pages = Pages::new(&table, s);
         let (k, v) = (
-            bf16((1, 3, 2 * blocks * BLOCK, 64))?,
-            bf16((1, 3, 2 * blocks * BLOCK, 64))?,
+            bf16((1, 3, blocks * BLOCK, 64))?,
+            bf16((1, 3, blocks * BLOCK, 64))?,
         );
         let op = DecodeAttention {
             scale: 0.1,

@@ -116,8 +116,12 @@ impl Blocks {
     /// A sequence lets go of `b`: idle if it keeps a prefix, else free.
     pub fn release(&mut self, b: u32) {
         let i = b as usize;
-        debug_assert!(self.refs[i] > 0, "block {b} released more often than held");
-        self.refs[i] = self.refs[i].saturating_sub(1);
+        if self.refs[i] == 0 {
+            // Released more often than held: a bug, but never a block on the free list twice.
+            debug_assert!(false, "block {b} released more often than held");
+            return;
+        }
+        self.refs[i] -= 1;
         if self.refs[i] > 0 {
             return;
         }
@@ -131,10 +135,28 @@ impl Blocks {
         }
     }
 
-    /// Whether `b` may be written in place by its one holder: held once and not indexed
-    /// (an indexed block keeps its content for whoever looks it up).
-    pub fn writable(&self, b: u32) -> bool {
-        self.refs[b as usize] == 1 && self.key[b as usize].is_none()
+    /// Whether a sequence that holds `b` must copy it before writing into it: when another
+    /// sequence holds it too, or an indexed block follows it (a block in the middle of a
+    /// cached conversation, whose rest would be lost).
+    pub fn must_copy(&self, b: u32) -> bool {
+        let i = b as usize;
+        let after = Some((b, self.epoch[i]));
+        self.refs[i] != 1
+            || (self.key[i].is_some() && self.children.get(&after).is_some_and(|c| !c.is_empty()))
+    }
+
+    /// Makes `b` the one holder's to write into, unless it [`Blocks::must_copy`] it (then
+    /// false): out of the index if it was in (a sequence's own last block, indexed when it
+    /// was preempted or ended), its epoch bumped so that nothing matches its old content.
+    pub fn own(&mut self, b: u32) -> bool {
+        if self.must_copy(b) {
+            return false;
+        }
+        if self.key[b as usize].is_some() {
+            self.forget(b);
+            self.epoch[b as usize] += 1;
+        }
+        true
     }
 
     /// Indexes block `b` holding `tokens` (a full block, or the first positions of a
@@ -277,15 +299,26 @@ mod tests {
     }
 
     #[test]
-    fn shared_and_indexed_blocks_are_not_writable() {
-        let mut b = Blocks::new(2, 2, true);
-        let x = b.take().unwrap();
-        assert!(b.writable(x));
-        b.hold(x);
-        assert!(!b.writable(x), "held twice");
-        b.release(x);
+    fn a_block_is_written_in_place_only_by_its_one_holder_and_never_mid_prefix() {
+        let mut b = Blocks::new(4, 2, true);
+        let (x, y) = (b.take().unwrap(), b.take().unwrap());
         b.register(x, None, &[7, 7]);
-        assert!(!b.writable(x), "indexed");
+        b.register(y, Some(x), &[8]);
+        b.hold(y);
+        assert!(!b.own(y), "held twice: copied");
+        b.release(y);
+        assert!(!b.own(x), "a cached prefix goes on after it: copied");
+        assert!(b.own(y), "its own last block: written in place");
+        assert_eq!(b.lookup(&[7, 7, 8], 8), (vec![x], 2), "and no longer found");
+        // Once nothing indexed follows x, its holder may write it, and what was indexed
+        // after its old content never matches its new one.
+        b.register(y, Some(x), &[9, 9]);
+        b.release(y);
+        let _ = (b.take().unwrap(), b.take().unwrap());
+        assert_eq!(b.take(), Some(y), "y evicted, the oldest idle block");
+        assert!(b.own(x));
+        b.register(x, None, &[7, 7]);
+        assert_eq!(b.lookup(&[7, 7, 9, 9], 8), (vec![x], 2));
     }
 
     #[test]

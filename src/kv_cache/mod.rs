@@ -16,15 +16,19 @@
 
 mod blocks;
 mod pages;
+mod pool;
+#[cfg(test)]
+mod tests;
 
 pub use blocks::Usage;
 pub use pages::{Held, LayerView, Pages};
+pub use pool::KvPool;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use blocks::Blocks;
 use candle_core::{DType, Device, Tensor};
-use std::sync::{Arc, Mutex, MutexGuard};
+use pool::{build, Pool};
+use std::sync::Arc;
 
 /// How many leading tokens `a` and `b` share.
 pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -83,156 +87,13 @@ impl LayerCache {
             LayerCache::Latent { rows, .. } => vec![rows],
         };
         for t in tensors {
-            t.slice_set(
-                &t.narrow(2, from * BLOCK, BLOCK)?.contiguous()?,
-                2,
-                to * BLOCK,
-            )?;
+            // `force_contiguous`, not `contiguous`: one head's narrow is contiguous already, a
+            // view of the same storage, which `slice_set` refuses to write from.
+            let block = t.narrow(2, from * BLOCK, BLOCK)?.force_contiguous()?;
+            t.slice_set(&block, 2, to * BLOCK)?;
         }
         Ok(())
     }
-}
-
-/// The storage every cache of a pool shares: per layer a [`LayerCache`] of `positions`
-/// positions, and which sequence holds which block.
-#[derive(Debug)]
-struct Pool {
-    layers: Vec<LayerCache>,
-    blocks: Mutex<Blocks>,
-    /// Positions per layer tensor: blocks × [`BLOCK`], or a private cache's capacity.
-    positions: usize,
-    block_count: usize,
-    bytes_per_token: usize,
-    /// Whether sequences come and go (the server's pool) rather than one cache owning all.
-    sharing: bool,
-}
-
-impl Pool {
-    /// The block table's state. Nothing panics while it is locked, but a poisoned lock is
-    /// taken as it is rather than spread the panic.
-    fn blocks(&self) -> MutexGuard<'_, Blocks> {
-        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Blocks of positions shared by many sequences (the server's): each [`KvPool::sequence`]
-/// takes blocks as it grows and gives them back when dropped; full blocks are indexed by
-/// their prefix, so that a new sequence starts from what another cached
-/// ([`KvCache::reuse_prefix`]).
-#[derive(Debug, Clone)]
-pub struct KvPool(Arc<Pool>);
-
-impl KvPool {
-    /// A pool of as many whole blocks as `bytes` holds (at least one).
-    pub fn new(cfg: &ModelConfig, bytes: usize, dtype: DType, dev: &Device) -> Result<Self> {
-        let per_block = cfg.cache_layout(false).values()
-            * cfg.num_hidden_layers
-            * dtype.size_in_bytes()
-            * BLOCK;
-        let blocks = bytes / per_block.max(1);
-        if blocks == 0 {
-            return Err(Error::Invalid(format!(
-                "--kv-memory {bytes} bytes holds no block of {BLOCK} positions ({per_block} \
-                 bytes for this model)"
-            )));
-        }
-        let pool = build(cfg, blocks, blocks * BLOCK, dtype, dev, false, true)?;
-        for layer in &pool.layers {
-            for t in layer.tensors() {
-                commit(t)?;
-            }
-        }
-        Ok(Self(Arc::new(pool)))
-    }
-
-    /// An empty cache in this pool for at most `capacity` positions.
-    pub fn sequence(&self, capacity: usize) -> KvCache {
-        KvCache::in_pool(self.0.clone(), Vec::new(), capacity)
-    }
-
-    pub fn blocks(&self) -> usize {
-        self.0.block_count
-    }
-
-    /// Blocks by state now.
-    pub fn usage(&self) -> Usage {
-        self.0.blocks().usage()
-    }
-
-    /// Blocks a sequence could take now (free, or cached and evictable).
-    pub fn available(&self) -> usize {
-        self.0.blocks().available()
-    }
-
-    /// How many leading positions of `ids[..max]` the index holds.
-    pub fn cached(&self, ids: &[u32], max: usize) -> usize {
-        self.0.blocks().lookup(ids, max).1
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.0.positions * self.0.bytes_per_token
-    }
-
-    pub fn bytes_per_token(&self) -> usize {
-        self.0.bytes_per_token
-    }
-}
-
-/// Writes zeros over all of `t`, a block at a time: the operating system hands out a fresh
-/// allocation's pages at their first write, so a pool that was only allocated would grow
-/// in memory as its blocks are first used. The server's pool is resident from the start, and
-/// its memory stays flat after. (A cache of its own commits only the positions it uses.)
-fn commit(t: &Tensor) -> Result<()> {
-    let (_, heads, positions, width) = t.dims4()?;
-    let zeros = Tensor::zeros((1, heads, BLOCK, width), t.dtype(), t.device())?;
-    for at in (0..positions).step_by(BLOCK) {
-        t.slice_set(&zeros, 2, at)?;
-    }
-    Ok(())
-}
-
-/// The layers' tensors of `positions` positions in `blocks` blocks.
-fn build(
-    cfg: &ModelConfig,
-    blocks: usize,
-    positions: usize,
-    dtype: DType,
-    dev: &Device,
-    expanded: bool,
-    sharing: bool,
-) -> Result<Pool> {
-    let layout = cfg.cache_layout(expanded);
-    let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
-    crate::config::check_fits(
-        positions.saturating_mul(bytes_per_token),
-        &format!("the KV cache for {positions} positions"),
-        "use fewer tokens (a shorter prompt, --max-new-tokens, --context or --kv-memory)",
-    )?;
-    let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
-    let layers = (0..cfg.num_hidden_layers)
-        .map(|_| {
-            let zeros = |heads, width| Tensor::zeros((1, heads, positions, width), dtype, dev);
-            Ok(match layout.kv {
-                true => LayerCache::Kv {
-                    k: zeros(ha, wa)?,
-                    v: zeros(hb, wb)?,
-                },
-                // One "head" each (`cache_layout`): rows of both widths side by side.
-                false => LayerCache::Latent {
-                    rows: zeros(1, wa + wb)?,
-                    rank: wa,
-                },
-            })
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(Pool {
-        layers,
-        blocks: Mutex::new(Blocks::new(blocks, BLOCK, sharing)),
-        positions,
-        block_count: blocks,
-        bytes_per_token,
-        sharing,
-    })
 }
 
 /// One sequence's cache: the blocks that hold its positions, in order, the tokens it holds,
@@ -412,19 +273,19 @@ impl KvCache {
             + self.shared_tail(t)
     }
 
-    /// 1 when the block the next token goes into is shared and must be copied first.
+    /// 1 when the block the next token goes into must be copied first.
     fn shared_tail(&self, t: usize) -> usize {
         let i = self.len() / BLOCK;
         let tail = self.table.get(i).copied();
         match tail {
-            Some(b) if t > 0 && !self.pool.blocks().writable(b) => 1,
+            Some(b) if t > 0 && self.pool.blocks().must_copy(b) => 1,
             _ => 0,
         }
     }
 
     /// Checks that `t` more tokens fit, and takes the blocks they need, before any layer
     /// writes: blocks past the table from the pool, and a shared block that would be
-    /// written replaced by a copy of its own (copy on write).
+    /// written replaced by a copy of its own (copy on write; [`blocks::Blocks::own`]).
     pub(crate) fn reserve(&mut self, t: usize) -> Result<()> {
         if self.len() + t > self.capacity {
             return Err(Error::Invalid(format!(
@@ -443,13 +304,16 @@ impl KvCache {
         let first = self.len() / BLOCK;
         if let Some(&b) = self.table.get(first).filter(|_| t > 0) {
             let mut blocks = self.pool.blocks();
-            if !blocks.writable(b) {
+            if !blocks.own(b) {
                 let copy = blocks.take().ok_or_else(full)?;
                 drop(blocks);
-                for layer in &self.pool.layers {
-                    layer.copy_block(b as usize, copy as usize)?;
-                }
+                let copied = (self.pool.layers.iter())
+                    .try_for_each(|layer| layer.copy_block(b as usize, copy as usize));
                 let mut blocks = self.pool.blocks();
+                if let Err(e) = copied {
+                    blocks.release(copy);
+                    return Err(e.into());
+                }
                 blocks.release(b);
                 self.table[first] = copy;
             }
@@ -499,75 +363,5 @@ impl Drop for KvCache {
         for &b in &self.table {
             blocks.release(b);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn tensor(x: f32, t: usize) -> Tensor {
-        Tensor::full(x, (1, 2, t, 3), &Device::Cpu).unwrap()
-    }
-
-    fn kv(positions: usize) -> LayerCache {
-        let k = Tensor::zeros((1, 2, positions, 3), DType::F32, &Device::Cpu).unwrap();
-        LayerCache::Kv {
-            v: k.zeros_like().unwrap(),
-            k,
-        }
-    }
-
-    fn row(t: &Tensor) -> Vec<Vec<f32>> {
-        t.get(0).unwrap().get(1).unwrap().to_vec2::<f32>().unwrap()
-    }
-
-    #[test]
-    fn one_run_of_blocks_is_written_in_place_and_read_as_views() {
-        let layer = kv(2 * BLOCK);
-        let pages = Pages::new(&[0, 1], 3);
-        let view = LayerView::new(&layer, &pages);
-        view.write(&tensor(1.0, 2), &tensor(-1.0, 2), 0).unwrap();
-        let (k, v) = view.write(&tensor(2.0, 1), &tensor(-2.0, 1), 2).unwrap();
-        assert_eq!(row(&k), vec![vec![1.0; 3], vec![1.0; 3], vec![2.0; 3]]);
-        assert_eq!(row(&v), vec![vec![-1.0; 3], vec![-1.0; 3], vec![-2.0; 3]]);
-        let LayerCache::Kv { k: buffer, .. } = &layer else {
-            unreachable!()
-        };
-        // The preallocated buffer itself was written (no copy).
-        assert_eq!(row(&buffer.narrow(2, 0, 3).unwrap()), row(&k));
-    }
-
-    #[test]
-    fn a_block_table_places_and_gathers_every_position() {
-        let layer = kv(4 * BLOCK);
-        // Positions 0..BLOCK + 2 in block 3, then block 1.
-        let pages = Pages::new(&[3, 1], BLOCK + 2);
-        assert!(pages.table().is_some());
-        assert_eq!(
-            pages.runs(BLOCK - 1, BLOCK + 2),
-            vec![(4 * BLOCK - 1, 1), (BLOCK, 2)]
-        );
-        let view = LayerView::new(&layer, &pages);
-        let ramp: Vec<f32> = (0..BLOCK + 2).flat_map(|p| [p as f32; 6]).collect();
-        let ramp = Tensor::from_vec(ramp, (1, BLOCK + 2, 2, 3), &Device::Cpu)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap();
-        let held = view.write_held(&ramp, &ramp, 0).unwrap();
-        assert!(
-            held.pages.is_some(),
-            "paged: the pool's tensors and the table"
-        );
-        let (k, _) = held.gathered().unwrap();
-        let want: Vec<Vec<f32>> = (0..BLOCK + 2).map(|p| vec![p as f32; 3]).collect();
-        assert_eq!(row(&k), want);
-        let LayerCache::Kv { k: buffer, .. } = &layer else {
-            unreachable!()
-        };
-        assert_eq!(
-            row(&buffer.narrow(2, BLOCK, 1).unwrap()),
-            vec![vec![BLOCK as f32; 3]]
-        );
     }
 }

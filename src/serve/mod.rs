@@ -3,9 +3,11 @@
 //! `routes` checks requests and answers in OpenAI's shapes (`openai`), whole or streamed
 //! as server-sent events (`sse`). One `scheduler` thread owns the model and the KV pool
 //! (`--kv-memory`, allocated here once in blocks); every request runs as a `request` whose
-//! cache takes the pool's blocks as it grows, batched with the others at each step. tokio serves HTTP on two threads of
-//! its own; the model's products keep the cores (candle's thread pool).
+//! cache takes the pool's blocks as it grows, batched with the others at each step. tokio
+//! serves HTTP on two threads of its own; the model's products keep the cores (candle's
+//! thread pool).
 
+mod admission;
 mod chat;
 mod checks;
 mod error;

@@ -7,11 +7,11 @@
 //! Memory is the pool's blocks ([`KvPool`], `--kv-memory`), not a cache per request: a
 //! request is admitted, up to `--max-batch` at once, when the blocks its prompt needs are
 //! free, less one per running request to grow by; it starts from the longest prefix of its
-//! prompt that the pool holds in whole blocks (another request's system prompt, the turn
-//! before of a conversation), shared, not copied. When a step needs more blocks than are
-//! free, the requests admitted last are preempted: their blocks go back (their full ones stay
-//! cached) and they resume first, when blocks are free again, recomputing what they had
-//! (vLLM's preemption by recompute). A request that ends gives its blocks back; those of its
+//! prompt that the pool holds (another request's system prompt in whole blocks, the turn
+//! before of a conversation to its last token), shared, not copied. When a step needs more
+//! blocks than are free, the requests admitted last are preempted: their blocks go back (and
+//! stay cached) and they resume first, when blocks are free again, recomputing what they
+//! had (vLLM's preemption by recompute; `admission`). A request that ends gives its blocks back; those of its
 //! prompt and reply stay indexed for the next turn until a newer need evicts them.
 //!
 //! A panic anywhere in the loop (inside a step or not) fails the requests in flight with a
@@ -19,12 +19,13 @@
 //! exits with status 70 for a supervisor to restart it. The server never answers 503
 //! forever. `queue` holds the sending end; `fault` injects panics for the tests.
 
+use super::admission::{admit, make_room};
 use super::fault;
 use super::metrics::Ended;
 use super::queue::{Queue, Stats};
 use super::request::{Event, Job, Request};
 use crate::error::Result;
-use crate::kv_cache::{KvCache, KvPool};
+use crate::kv_cache::KvPool;
 use crate::model::{Feed, Transformer};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -89,11 +90,11 @@ pub fn spawn(
 /// The requests the scheduler holds: those that run, in the order they were admitted, those
 /// preempted (to resume first), and those that wait. Kept outside each turn so that a panic
 /// loses none of them.
-struct Batch<'t> {
-    running: Vec<Request<'t>>,
-    preempted: VecDeque<Request<'t>>,
-    waiting: VecDeque<Job>,
-    pool: KvPool,
+pub(super) struct Batch<'t> {
+    pub(super) running: Vec<Request<'t>>,
+    pub(super) preempted: VecDeque<Request<'t>>,
+    pub(super) waiting: VecDeque<Job>,
+    pub(super) pool: KvPool,
 }
 
 /// Whether the scheduler goes on after a turn.
@@ -229,128 +230,6 @@ fn turn<'t>(
     }
     b.report(&s.stats);
     Flow::Continue
-}
-
-/// Admits preempted, then waiting requests while fewer than `--max-batch` run and the pool
-/// has the blocks their prompts need. One whose prefix a running request is still prefilling
-/// keeps its place until that prefix is cached, and the ones behind it go ahead.
-fn admit<'t>(
-    model: &Transformer,
-    tokenizer: &'t Tokenizer,
-    b: &mut Batch<'t>,
-    s: &Settings,
-    fault: &mut fault::Injector,
-) {
-    while b.running.len() < s.max_batch {
-        let Some(mut req) = b.preempted.pop_front() else {
-            break;
-        };
-        let ids = req.seq.history().to_vec();
-        if !take_prefix(&b.pool, req.seq.cache_mut(), &ids, true, b.running.len()) {
-            b.preempted.push_front(req);
-            return; // the oldest preempted request goes first
-        }
-        b.running.push(req);
-    }
-    let mut next = 0;
-    while b.running.len() < s.max_batch && next < b.waiting.len() {
-        let job = &b.waiting[next];
-        if job.cache_prompt && prefix_on_its_way(&b.running, &job.prompt, &b.pool) {
-            next += 1;
-            continue;
-        }
-        let mut cache = b.pool.sequence(s.context);
-        // A prompt past the context is refused by `Request::start`, with no blocks.
-        let fits = job.prompt.len() <= s.context;
-        if fits
-            && !take_prefix(
-                &b.pool,
-                &mut cache,
-                &job.prompt,
-                job.cache_prompt,
-                b.running.len(),
-            )
-        {
-            break; // first come, first served: it waits for blocks, and those behind it
-        }
-        let Some(job) = b.waiting.remove(next) else {
-            break;
-        };
-        s.stats.waiting.fetch_sub(1, Ordering::AcqRel);
-        match Request::start(job, cache, model, tokenizer, s.stats.clone()) {
-            Ok(req) => b.running.push(req),
-            Err(_) => s.stats.metrics.finished(Ended::Error),
-        }
-        fault.at(fault::Point::Admit);
-    }
-}
-
-/// Whether the blocks for `ids` are free (one kept per running request), counting those of
-/// the longest prefix the pool holds when `reuse`: then the empty `cache` takes that prefix
-/// (the last token is always fed: its logits start the reply). Otherwise `cache` stays empty.
-fn take_prefix(
-    pool: &KvPool,
-    cache: &mut KvCache,
-    ids: &[u32],
-    reuse: bool,
-    running: usize,
-) -> bool {
-    if reuse {
-        cache.reuse_prefix(ids, ids.len().saturating_sub(1));
-    }
-    let rest = ids.len() - cache.len().min(ids.len());
-    if cache.blocks_needed(rest) + running <= pool.available() {
-        return true;
-    }
-    cache.reset();
-    false
-}
-
-/// Fewest more tokens a running request must share with a prompt than the pool holds for it
-/// to be worth waiting for that request to cache them.
-const WAIT_MIN_TOKENS: usize = 32;
-
-/// Whether a running request is prefilling a prompt that shares at least
-/// [`WAIT_MIN_TOKENS`] more with `prompt` than the pool holds: waiting for its blocks beats
-/// prefilling the same tokens twice at once.
-fn prefix_on_its_way(running: &[Request], prompt: &[u32], pool: &KvPool) -> bool {
-    let have = pool.cached(prompt, prompt.len().saturating_sub(1));
-    running.iter().filter(|r| r.seq.prefilling()).any(|r| {
-        let n = crate::kv_cache::common_prefix(r.seq.history(), prompt);
-        n.min(prompt.len().saturating_sub(1)) >= have.max(r.seq.cache().len()) + WAIT_MIN_TOKENS
-    })
-}
-
-/// Before a step: while the running requests need more blocks than the pool has free,
-/// preempts the one admitted last (never the only one: the pool holds at least one whole
-/// `--context`). Its blocks go back; it resumes first, recomputing what it had.
-fn make_room<'t>(
-    running: &mut Vec<Request<'t>>,
-    preempted: &mut VecDeque<Request<'t>>,
-    pool: &KvPool,
-    stats: &Stats,
-) {
-    loop {
-        let mut budget = PREFILL_PER_STEP;
-        let need: usize = (running.iter())
-            .map(|r| {
-                let n = r.seq.next_feed(budget);
-                if r.seq.prefilling() {
-                    budget -= n;
-                }
-                r.seq.cache().blocks_needed(n)
-            })
-            .sum();
-        if need <= pool.available() || running.len() <= 1 {
-            return;
-        }
-        let Some(mut req) = running.pop() else {
-            return;
-        };
-        req.seq.cache_mut().release();
-        stats.metrics.preempted.fetch_add(1, Ordering::Relaxed);
-        preempted.push_front(req);
-    }
 }
 
 /// Counts a request out of the queue; `false`, for `retain`, to drop it.

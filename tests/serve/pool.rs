@@ -51,12 +51,26 @@ fn short_requests_run_more_at_once_than_fixed_caches_would_fit() {
     }
 }
 
+/// One --context of 256 positions: 8 blocks. Four requests of 40 + 100 tokens need 5 blocks
+/// each: they start together, and as they grow the last admitted give their blocks back;
+/// each resumes from its own blocks, still cached, copying or taking back its last one. For
+/// tiny-gqa's K/V, MQA's (one head: a block is one run of the pool) and an MLA latent.
 #[test]
 fn requests_preempted_for_blocks_resume_and_answer_as_alone() {
-    // One --context of 256 positions: 8 blocks. Four requests of 40 + 100 tokens need 5
-    // each: they start together, and as they grow the last admitted give their blocks back.
-    let memory = (8 * BLOCK_BYTES).to_string();
-    let server = Server::start(&["--kv-memory", &memory, "--max-batch", "4"]);
+    let forms: [(&[&str], usize); 3] = [
+        (&[], BLOCK_BYTES),
+        (&["--attention", "mqa"], BLOCK_BYTES / 2),
+        // Rows of 48 + 32 values, 4 layers, f32.
+        (&["--attention", "mla:48,rope=32"], 32 * 80 * 4 * 4),
+    ];
+    for (attention, block_bytes) in forms {
+        preempted(attention, &(8 * block_bytes).to_string());
+    }
+}
+
+fn preempted(attention: &[&str], memory: &str) {
+    let args = [attention, &["--kv-memory", memory, "--max-batch", "4"]].concat();
+    let server = Server::start(&args);
     let bodies: Vec<Value> = (0..4)
         .map(|i| {
             json!({"prompt": prompt(i, 40), "max_tokens": 100, "temperature": 0,
@@ -74,11 +88,14 @@ fn requests_preempted_for_blocks_resume_and_answer_as_alone() {
         .expect("the preemption counter")
         .parse()
         .unwrap();
-    assert!(preempted > 0.0, "{metrics}");
-    let alone = Server::start(&[]);
+    assert!(preempted > 0.0, "{args:?}: {metrics}");
+    let alone = Server::start(attention);
     for (body, reply) in bodies.iter().zip(&replies) {
         assert_eq!(reply["usage"]["completion_tokens"], 100, "{reply}");
         let (_, want) = alone.post("/v1/completions", body);
-        assert_eq!(want["choices"][0]["text"], reply["choices"][0]["text"]);
+        assert_eq!(
+            want["choices"][0]["text"], reply["choices"][0]["text"],
+            "{args:?}"
+        );
     }
 }

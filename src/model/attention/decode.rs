@@ -267,7 +267,9 @@ impl CustomOp3 for DecodeAttention<'_> {
                 vl.dims()
             )));
         }
-        if s == 0 || h % g != 0 || !self.pages.is_none_or(|p| p.within(s)) {
+        // A block table is one sequence's.
+        let paged_fits = self.pages.is_none_or(|p| b == 1 && p.within(s));
+        if s == 0 || h % g != 0 || !paged_fits {
             return Err(Error::Msg(
                 "decode attention: no keys, heads not grouped, or pages outside the pool".into(),
             ));

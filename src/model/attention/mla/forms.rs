@@ -119,8 +119,9 @@ impl MlaAttention {
             }
         };
         let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
-                                                                          // One new token: the fused op reads the values as a view of the rows. Otherwise
-                                                                          // candle's ops, in the activations' dtype, on contiguous values.
+                                                                          // One new token: the fused op reads the values as a view of the rows (through the
+                                                                          // block table of a paged cache). Otherwise candle's ops, in the activations' dtype,
+                                                                          // on contiguous values.
         let o_lat = match t == 1 && mask.is_none() && decode::takes(&rows.k) {
             true => sdpa_held(&q, rows, m.softmax_scale, mask)?,
             false => {

@@ -1,0 +1,152 @@
+//! The storage a cache's blocks live in: per layer one tensor of every position, allocated
+//! once ([`build`]); a [`KvPool`] shares it among the server's sequences, a cache of its own
+//! ([`super::KvCache::new`]) owns one of exactly its capacity.
+
+use super::blocks::{Blocks, Usage};
+use super::{KvCache, LayerCache, BLOCK};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The storage every cache of a pool shares: per layer a [`LayerCache`] of `positions`
+/// positions, and which sequence holds which block.
+#[derive(Debug)]
+pub(super) struct Pool {
+    pub(super) layers: Vec<LayerCache>,
+    pub(super) blocks: Mutex<Blocks>,
+    /// Positions per layer tensor: blocks × [`BLOCK`], or a private cache's capacity.
+    pub(super) positions: usize,
+    pub(super) block_count: usize,
+    pub(super) bytes_per_token: usize,
+    /// Whether sequences come and go (the server's pool) rather than one cache owning all.
+    pub(super) sharing: bool,
+}
+
+impl Pool {
+    /// The block table's state. Nothing panics while it is locked, but a poisoned lock is
+    /// taken as it is rather than spread the panic.
+    pub(super) fn blocks(&self) -> MutexGuard<'_, Blocks> {
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Blocks of positions shared by many sequences (the server's): each [`KvPool::sequence`]
+/// takes blocks as it grows and gives them back when dropped; full blocks are indexed by
+/// their prefix, so that a new sequence starts from what another cached
+/// ([`KvCache::reuse_prefix`]).
+#[derive(Debug, Clone)]
+pub struct KvPool(Arc<Pool>);
+
+impl KvPool {
+    /// A pool of as many whole blocks as `bytes` holds (at least one).
+    pub fn new(cfg: &ModelConfig, bytes: usize, dtype: DType, dev: &Device) -> Result<Self> {
+        let per_block = cfg.cache_layout(false).values()
+            * cfg.num_hidden_layers
+            * dtype.size_in_bytes()
+            * BLOCK;
+        let blocks = bytes / per_block.max(1);
+        if blocks == 0 {
+            return Err(Error::Invalid(format!(
+                "--kv-memory {bytes} bytes holds no block of {BLOCK} positions ({per_block} \
+                 bytes for this model)"
+            )));
+        }
+        let pool = build(cfg, blocks, blocks * BLOCK, dtype, dev, false, true)?;
+        for layer in &pool.layers {
+            for t in layer.tensors() {
+                commit(t)?;
+            }
+        }
+        Ok(Self(Arc::new(pool)))
+    }
+
+    /// An empty cache in this pool for at most `capacity` positions.
+    pub fn sequence(&self, capacity: usize) -> KvCache {
+        KvCache::in_pool(self.0.clone(), Vec::new(), capacity)
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.0.block_count
+    }
+
+    /// Blocks by state now.
+    pub fn usage(&self) -> Usage {
+        self.0.blocks().usage()
+    }
+
+    /// Blocks a sequence could take now (free, or cached and evictable).
+    pub fn available(&self) -> usize {
+        self.0.blocks().available()
+    }
+
+    /// How many leading positions of `ids[..max]` the index holds.
+    pub fn cached(&self, ids: &[u32], max: usize) -> usize {
+        self.0.blocks().lookup(ids, max).1
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.0.positions * self.0.bytes_per_token
+    }
+
+    pub fn bytes_per_token(&self) -> usize {
+        self.0.bytes_per_token
+    }
+}
+
+/// Writes zeros over all of `t`, a block at a time: the operating system hands out a fresh
+/// allocation's pages at their first write, so a pool that was only allocated would grow
+/// in memory as its blocks are first used. The server's pool is resident from the start, and
+/// its memory stays flat after. (A cache of its own commits only the positions it uses.)
+fn commit(t: &Tensor) -> Result<()> {
+    let (_, heads, positions, width) = t.dims4()?;
+    let zeros = Tensor::zeros((1, heads, BLOCK, width), t.dtype(), t.device())?;
+    for at in (0..positions).step_by(BLOCK) {
+        t.slice_set(&zeros, 2, at)?;
+    }
+    Ok(())
+}
+
+/// The layers' tensors of `positions` positions in `blocks` blocks.
+pub(super) fn build(
+    cfg: &ModelConfig,
+    blocks: usize,
+    positions: usize,
+    dtype: DType,
+    dev: &Device,
+    expanded: bool,
+    sharing: bool,
+) -> Result<Pool> {
+    let layout = cfg.cache_layout(expanded);
+    let bytes_per_token = cfg.num_hidden_layers * layout.values() * dtype.size_in_bytes();
+    crate::config::check_fits(
+        positions.saturating_mul(bytes_per_token),
+        &format!("the KV cache for {positions} positions"),
+        "use fewer tokens (a shorter prompt, --max-new-tokens, --context or --kv-memory)",
+    )?;
+    let ((ha, wa), (hb, wb)) = (layout.a, layout.b);
+    let layers = (0..cfg.num_hidden_layers)
+        .map(|_| {
+            let zeros = |heads, width| Tensor::zeros((1, heads, positions, width), dtype, dev);
+            Ok(match layout.kv {
+                true => LayerCache::Kv {
+                    k: zeros(ha, wa)?,
+                    v: zeros(hb, wb)?,
+                },
+                // One "head" each (`cache_layout`): rows of both widths side by side.
+                false => LayerCache::Latent {
+                    rows: zeros(1, wa + wb)?,
+                    rank: wa,
+                },
+            })
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Pool {
+        layers,
+        blocks: Mutex::new(Blocks::new(blocks, BLOCK, sharing)),
+        positions,
+        block_count: blocks,
+        bytes_per_token,
+        sharing,
+    })
+}
