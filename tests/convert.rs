@@ -503,3 +503,54 @@ fn info_eval_and_bench_report_the_converted_attention() {
     assert_eq!(2 * kv(&low), kv(&plain));
     assert_eq!(params(&low), params(&plain));
 }
+
+/// `--calibration` takes a directory (its files by name, hidden ones skipped) or several
+/// paths: the same text as one file of them all joined by blank lines, so the same fit.
+#[test]
+fn calibration_from_a_directory_or_several_files_is_their_text_joined() {
+    let text = std::fs::read_to_string(data("shakespeare-heldout.txt")).unwrap();
+    let (a, b) = text.split_at(text.len() / 2);
+    let a = &a[..a.rfind('\n').unwrap()];
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("calibration-dir");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(root.join("dir/more")).unwrap();
+    std::fs::write(root.join("dir/1.txt"), a).unwrap();
+    std::fs::write(root.join("dir/more/2.txt"), b).unwrap();
+    std::fs::write(root.join("dir/.hidden"), "never read").unwrap();
+    std::fs::write(root.join("joined.txt"), format!("{a}\n\n{b}")).unwrap();
+    let path = |p: &str| root.join(p).to_str().unwrap().to_string();
+    let heldout = data("stories-heldout.txt");
+    let nll = |calibration: &[String]| {
+        let mut args = vec![
+            "eval",
+            "-m",
+            "tiny-gqa",
+            "--file",
+            heldout.to_str().unwrap(),
+        ];
+        args.extend(["--attention", "mqa"]);
+        for c in calibration {
+            args.extend(["--calibration", c.as_str()]);
+        }
+        common::run_json(&args)["mean_nll"].as_f64().unwrap()
+    };
+    let joined = nll(&[path("joined.txt")]);
+    assert_eq!(nll(&[path("dir")]), joined);
+    assert_eq!(nll(&[path("dir/1.txt"), path("dir/more")]), joined);
+    assert_ne!(
+        nll(&[path("dir/1.txt")]),
+        joined,
+        "half the text fits differently"
+    );
+    std::fs::create_dir_all(root.join("empty")).unwrap();
+    let args = [
+        "info",
+        "-m",
+        "tiny-gqa",
+        "--attention",
+        "mqa",
+        "--calibration",
+    ];
+    fails_with(&[&args[..], &[&path("empty")]].concat(), &["no files in"]);
+    fails_with(&[&args[..], &[&path("absent")]].concat(), &["cannot read"]);
+}

@@ -63,10 +63,10 @@ pub struct Placement {
     /// ,method=svd|aware [default: aware, fitted on the calibration text].
     #[arg(long, value_name = "SPEC")]
     pub attention: Option<String>,
-    /// The text method=aware calibrates on [default: the technical prose that ships with
-    /// the program].
-    #[arg(long, value_name = "FILE", requires = "attention")]
-    pub calibration: Option<PathBuf>,
+    /// The text method=aware calibrates on (and --heal trains on): a file, or a directory
+    /// of them; repeat for more [default: the technical prose that ships with the program].
+    #[arg(long, value_name = "PATH", requires = "attention")]
+    pub calibration: Vec<PathBuf>,
     #[command(flatten)]
     pub heal: HealArgs,
 }
@@ -299,10 +299,10 @@ pub struct ConvertArgs {
     /// with ,method=svd|aware [default: aware].
     #[arg(long, value_name = "SPEC")]
     pub attention: String,
-    /// The text method=aware calibrates on [default: the technical prose that ships with
-    /// the program].
-    #[arg(long, value_name = "FILE")]
-    pub calibration: Option<PathBuf>,
+    /// The text method=aware calibrates on (and --heal trains on): a file, or a directory
+    /// of them; repeat for more [default: the technical prose that ships with the program].
+    #[arg(long, value_name = "PATH")]
+    pub calibration: Vec<PathBuf>,
     #[command(flatten)]
     pub heal: HealArgs,
     /// auto (each tensor in the checkpoint's dtype), f32, f16 or bf16.

@@ -6,6 +6,7 @@ use super::placement;
 use anyhow::{Context, Result};
 use serde_json::json;
 use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
 use tiny_decoder::convert;
 use tiny_decoder::loader::{self, Loaded};
 
@@ -19,7 +20,7 @@ pub(super) fn load_reported(
     let Some(spec) = &p.attention else {
         return Ok((source.load(dtype, &device)?, None));
     };
-    let request = request(spec, p.calibration.as_deref(), &p.heal)?;
+    let request = request(spec, &p.calibration, &p.heal)?;
     let bar = progress_bar();
     let (loaded, report) =
         convert::load(&source, dtype, &device, &request, |stage, done, total| {
@@ -55,18 +56,77 @@ pub(super) fn show_progress(
     bar.set_position(done as u64);
 }
 
-/// `--attention SPEC` with the text of `--calibration FILE` and `--heal`.
+/// Most bytes of calibration text read in all: far more than a fit or a heal uses (32k
+/// tokens is about 130 KB), checked from the files' sizes before anything is read.
+const CALIBRATION_BYTES: u64 = 64 << 20;
+
+/// The text of `--calibration`: each file, or every file under a directory (by name, into
+/// subdirectories, hidden ones skipped), in the order given, joined by blank lines.
+fn calibration_text(paths: &[PathBuf]) -> Result<String> {
+    let mut files = Vec::new();
+    for path in paths {
+        collect_files(path, &mut files)
+            .with_context(|| format!("--calibration {}: cannot read", path.display()))?;
+    }
+    if files.is_empty() {
+        anyhow::bail!("--calibration: no files in {}", paths[0].display());
+    }
+    let mut total = 0u64;
+    for f in &files {
+        total += std::fs::metadata(f)
+            .with_context(|| format!("--calibration {}: cannot read", f.display()))?
+            .len();
+        if total > CALIBRATION_BYTES {
+            anyhow::bail!(
+                "--calibration: more than {} MiB of text at {} (a fit uses a few hundred KB)",
+                CALIBRATION_BYTES >> 20,
+                f.display()
+            );
+        }
+    }
+    let texts = (files.iter())
+        .map(|f| {
+            std::fs::read_to_string(f).with_context(|| {
+                format!("--calibration {}: cannot read as UTF-8 text", f.display())
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(texts.join("\n\n"))
+}
+
+/// `path` if it is a file, else the files under it, sorted by name: hidden ones skipped,
+/// and no link to a directory followed inside one (no loops).
+fn collect_files(path: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    if !std::fs::metadata(path)?.is_dir() {
+        out.push(path.to_path_buf());
+        return Ok(());
+    }
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(path)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    entries.sort();
+    for entry in entries {
+        let hidden = entry
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+        let link = std::fs::symlink_metadata(&entry)?.is_symlink();
+        if hidden || (link && std::fs::metadata(&entry)?.is_dir()) {
+            continue;
+        }
+        collect_files(&entry, out)?;
+    }
+    Ok(())
+}
+
+/// `--attention SPEC` with the text of `--calibration PATH...` and `--heal`.
 pub(super) fn request(
     spec: &str,
-    calibration: Option<&std::path::Path>,
+    calibration: &[PathBuf],
     heal: &args::HealArgs,
 ) -> Result<convert::Request> {
     let calibration = match calibration {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("--calibration {}: cannot read", path.display()))?,
-        ),
-        None => None,
+        [] => None,
+        paths => Some(calibration_text(paths)?),
     };
     if heal.heal && heal.heal_steps == 0 {
         anyhow::bail!(

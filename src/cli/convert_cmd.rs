@@ -21,7 +21,7 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
             )
         }
     };
-    let req = request(&a.attention, a.calibration.as_deref(), &a.heal)?;
+    let req = request(&a.attention, &a.calibration, &a.heal)?;
     let source = loader::open(&a.model)?;
     let bar = progress_bar();
     let written = convert::write(&source, &req, dtype, &a.out, |stage, done, total| {
