@@ -186,8 +186,8 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
     /// prompt, or, after the scheduler took the cache's blocks back (preemption), the
     /// tokens to recompute.
     pub fn prefilling(&self) -> bool {
-        self.cache.borrow().len() + 1 < self.history.len()
-            || self.cache.borrow().len() < self.prompt_len
+        let held = self.cache.borrow().len();
+        held + 1 < self.history.len() || held < self.prompt_len
     }
 
     /// Takes the logits of the step that fed [`Sequence::feed`]: samples the next token and
@@ -344,10 +344,5 @@ impl<'a, C: BorrowMut<KvCache>, S: BorrowMut<Sampler>> Sequence<'a, C, S> {
     /// what it held at its next feeds) or give it a cached prefix of [`Sequence::history`].
     pub fn cache_mut(&mut self) -> &mut KvCache {
         self.cache.borrow_mut()
-    }
-
-    /// Gives the cache back (the caller reuses it for the next turn).
-    pub fn into_cache(self) -> C {
-        self.cache
     }
 }

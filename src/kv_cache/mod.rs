@@ -22,11 +22,11 @@ mod tests;
 
 pub use blocks::Usage;
 pub use pages::{Held, LayerView, Pages};
-pub use pool::KvPool;
+pub use pool::{KvPool, LayerCache};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use pool::{build, Pool};
 use std::sync::Arc;
 
@@ -38,63 +38,6 @@ pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 /// Positions per block: small enough that a sequence wastes at most 31 positions, large
 /// enough that a block's rows are long runs for the decode op (vLLM uses 16).
 pub const BLOCK: usize = 32;
-
-/// What one layer caches. Both variants are (1, heads, capacity, width) so that positions are
-/// always dimension 2. Not `Clone`: a clone would share the buffers (see [`KvCache`]).
-#[derive(Debug)]
-pub enum LayerCache {
-    /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
-    Kv { k: Tensor, v: Tensor },
-    /// MLA: per position one row `[c_kv | k_pe]`, the normalised latent (width `rank`,
-    /// kv_lora_rank) and then the rotated shared key (width qk_rope_head_dim), as one "head"
-    /// (1, 1, capacity, rank + rope). One row, not two tensors, so that the absorbed decode
-    /// reads it as the keys of one K/V head and its first `rank` values as the values (see
-    /// [`LayerCache::write_latent`]). Low-rank K/V (`kv_latent_rank`): the latent, no `k_pe`.
-    Latent { rows: Tensor, rank: usize },
-}
-
-impl LayerCache {
-    /// Writes `a` and `b` (1, heads, T, width) at pool position `at`, in the cache's dtype:
-    /// K and V, or for the latent cache the rows `[a | b]` (`b` may be 0 wide).
-    fn put(&self, a: &Tensor, b: &Tensor, at: usize) -> candle_core::Result<()> {
-        match self {
-            LayerCache::Kv { k, v } => {
-                k.slice_set(&a.to_dtype(k.dtype())?.contiguous()?, 2, at)?;
-                v.slice_set(&b.to_dtype(v.dtype())?.contiguous()?, 2, at)
-            }
-            LayerCache::Latent { rows, .. } => {
-                let new = match b.elem_count() {
-                    0 => a.to_dtype(rows.dtype())?,
-                    _ => Tensor::cat(&[a.to_dtype(rows.dtype())?, b.to_dtype(rows.dtype())?], 3)?,
-                };
-                rows.slice_set(&new.contiguous()?, 2, at)
-            }
-        }
-    }
-
-    /// The pool's tensors: (K, V), or the latent rows twice.
-    fn tensors(&self) -> [&Tensor; 2] {
-        match self {
-            LayerCache::Kv { k, v } => [k, v],
-            LayerCache::Latent { rows, .. } => [rows, rows],
-        }
-    }
-
-    /// Copies block `from`'s positions to block `to`.
-    fn copy_block(&self, from: usize, to: usize) -> candle_core::Result<()> {
-        let tensors = match self {
-            LayerCache::Kv { k, v } => vec![k, v],
-            LayerCache::Latent { rows, .. } => vec![rows],
-        };
-        for t in tensors {
-            // `force_contiguous`, not `contiguous`: one head's narrow is contiguous already, a
-            // view of the same storage, which `slice_set` refuses to write from.
-            let block = t.narrow(2, from * BLOCK, BLOCK)?.force_contiguous()?;
-            t.slice_set(&block, 2, to * BLOCK)?;
-        }
-        Ok(())
-    }
-}
 
 /// One sequence's cache: the blocks that hold its positions, in order, the tokens it holds,
 /// and how many positions are filled.
@@ -198,11 +141,6 @@ impl KvCache {
         (self.table.len() * BLOCK).min(self.pool.positions) * self.pool.bytes_per_token
     }
 
-    /// Blocks this cache holds.
-    pub fn blocks(&self) -> usize {
-        self.table.len()
-    }
-
     /// Forgets every cached token. A cache of its own keeps its memory for reuse; a
     /// sequence of a shared pool gives its blocks back (those of a cached prefix stay
     /// indexed).
@@ -233,7 +171,7 @@ impl KvCache {
         if !self.is_empty() || !self.shared() {
             return 0;
         }
-        self.reset();
+        self.reset(); // blocks a failed step took but never filled go back
         let mut blocks = self.pool.blocks();
         let (found, n) = blocks.lookup(ids, limit.min(self.capacity));
         for &b in &found {

@@ -1,13 +1,75 @@
-//! The storage a cache's blocks live in: per layer one tensor of every position, allocated
-//! once ([`build`]); a [`KvPool`] shares it among the server's sequences, a cache of its own
+//! The storage a cache's blocks live in: per layer a [`LayerCache`] of every position,
+//! allocated once ([`build`]); a [`KvPool`] shares it among the server's sequences, a cache of its own
 //! ([`super::KvCache::new`]) owns one of exactly its capacity.
 
 use super::blocks::{Blocks, Usage};
-use super::{KvCache, LayerCache, BLOCK};
+use super::{KvCache, BLOCK};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What one layer caches, for every position of the pool. Both variants are (1, heads, pool
+/// positions, width) so that positions are always dimension 2. Not `Clone`: a clone would
+/// share the buffers (see [`KvCache`]).
+#[derive(Debug)]
+pub enum LayerCache {
+    /// GQA/MQA/MHA: keys and values of the `num_kv_heads` heads, after RoPE.
+    Kv { k: Tensor, v: Tensor },
+    /// MLA: per position one row `[c_kv | k_pe]`, the normalised latent (width `rank`,
+    /// kv_lora_rank) and then the rotated shared key (width qk_rope_head_dim), as one "head"
+    /// (1, 1, capacity, rank + rope). One row, not two tensors, so that the absorbed decode
+    /// reads it as the keys of one K/V head and its first `rank` values as the values (see
+    /// [`super::LayerView::write_held`]). Low-rank K/V (`kv_latent_rank`): the latent, no `k_pe`.
+    Latent { rows: Tensor, rank: usize },
+}
+
+impl LayerCache {
+    /// Writes `a` and `b` (1, heads, T, width) at pool position `at`, in the cache's dtype:
+    /// K and V, or for the latent cache the rows `[a | b]` (`b` may be 0 wide).
+    pub(super) fn put(&self, a: &Tensor, b: &Tensor, at: usize) -> candle_core::Result<()> {
+        match self {
+            LayerCache::Kv { k, v } => {
+                k.slice_set(&a.to_dtype(k.dtype())?.contiguous()?, 2, at)?;
+                v.slice_set(&b.to_dtype(v.dtype())?.contiguous()?, 2, at)
+            }
+            LayerCache::Latent { rows, .. } => {
+                let new = match b.elem_count() {
+                    0 => a.to_dtype(rows.dtype())?,
+                    _ => Tensor::cat(&[a.to_dtype(rows.dtype())?, b.to_dtype(rows.dtype())?], 3)?,
+                };
+                rows.slice_set(&new.contiguous()?, 2, at)
+            }
+        }
+    }
+
+    /// The tensors a read takes keys and values from: (K, V), or the latent rows twice.
+    pub(super) fn tensors(&self) -> [&Tensor; 2] {
+        match self {
+            LayerCache::Kv { k, v } => [k, v],
+            LayerCache::Latent { rows, .. } => [rows, rows],
+        }
+    }
+
+    /// The buffers it owns, each once.
+    fn buffers(&self) -> Vec<&Tensor> {
+        match self {
+            LayerCache::Kv { k, v } => vec![k, v],
+            LayerCache::Latent { rows, .. } => vec![rows],
+        }
+    }
+
+    /// Copies block `from`'s positions to block `to`.
+    pub(super) fn copy_block(&self, from: usize, to: usize) -> candle_core::Result<()> {
+        for t in self.buffers() {
+            // `force_contiguous`, not `contiguous`: one head's narrow is contiguous already, a
+            // view of the same storage, which `slice_set` refuses to write from.
+            let block = t.narrow(2, from * BLOCK, BLOCK)?.force_contiguous()?;
+            t.slice_set(&block, 2, to * BLOCK)?;
+        }
+        Ok(())
+    }
+}
 
 /// The storage every cache of a pool shares: per layer a [`LayerCache`] of `positions`
 /// positions, and which sequence holds which block.
@@ -54,7 +116,7 @@ impl KvPool {
         }
         let pool = build(cfg, blocks, blocks * BLOCK, dtype, dev, false, true)?;
         for layer in &pool.layers {
-            for t in layer.tensors() {
+            for t in layer.buffers() {
                 commit(t)?;
             }
         }

@@ -1,6 +1,7 @@
 //! The pages of a layer, written and read back in place and through a block table.
 
 use super::*;
+use candle_core::Tensor;
 
 fn tensor(x: f32, t: usize) -> Tensor {
     Tensor::full(x, (1, 2, t, 3), &Device::Cpu).unwrap()

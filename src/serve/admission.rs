@@ -6,7 +6,7 @@ use super::fault;
 use super::metrics::Ended;
 use super::queue::Stats;
 use super::request::Request;
-use super::scheduler::{Batch, Settings, PREFILL_PER_STEP};
+use super::scheduler::{feed_sizes, Batch, Settings};
 use crate::kv_cache::{KvCache, KvPool, BLOCK};
 use crate::model::Transformer;
 use std::collections::VecDeque;
@@ -115,15 +115,8 @@ pub(super) fn make_room<'t>(
     stats: &Stats,
 ) {
     loop {
-        let mut budget = PREFILL_PER_STEP;
-        let need: usize = (running.iter())
-            .map(|r| {
-                let n = r.seq.next_feed(budget);
-                if r.seq.prefilling() {
-                    budget -= n;
-                }
-                r.seq.cache().blocks_needed(n)
-            })
+        let need: usize = (running.iter().zip(feed_sizes(running)))
+            .map(|(r, n)| r.seq.cache().blocks_needed(n))
             .sum();
         if need <= pool.available() || running.len() <= 1 {
             return;

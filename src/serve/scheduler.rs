@@ -238,6 +238,22 @@ fn false_after(waiting: &AtomicUsize) -> bool {
     false
 }
 
+/// How many ids each running request feeds at the next step: its decode token, or the next
+/// chunk of its prompt (or of what it recomputes) within [`PREFILL_PER_STEP`] in all, first
+/// admitted first.
+pub(super) fn feed_sizes(running: &[Request]) -> Vec<usize> {
+    let mut budget = PREFILL_PER_STEP;
+    (running.iter())
+        .map(|r| {
+            let n = r.seq.next_feed(budget);
+            if r.seq.prefilling() {
+                budget -= n;
+            }
+            n
+        })
+        .collect()
+}
+
 /// Feeds every running request (a decode token, or the next chunk of its prompt within
 /// [`PREFILL_PER_STEP`]) in one batched forward, then lets each take its logits.
 fn step(
@@ -246,17 +262,13 @@ fn step(
     stats: &Stats,
     fault: &mut fault::Injector,
 ) -> Result<()> {
-    let mut budget = PREFILL_PER_STEP;
+    let sizes = feed_sizes(running);
     let mut fed = Vec::with_capacity(running.len());
     let mut feeds: Vec<Feed> = Vec::with_capacity(running.len());
-    for (i, req) in running.iter_mut().enumerate() {
-        let prefilling = req.seq.prefilling();
-        let Some(feed) = req.seq.feed(budget) else {
+    for (i, (req, n)) in running.iter_mut().zip(sizes).enumerate() {
+        let Some(feed) = req.seq.feed(n) else {
             continue;
         };
-        if prefilling {
-            budget -= feed.ids.len();
-        }
         fed.push(i);
         feeds.push(feed);
     }
