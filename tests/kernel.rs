@@ -627,3 +627,58 @@ fn probe_blocks_prefill() -> candle_core::Result<()> {
     }
     Ok(())
 }
+
+/// The packed layout (8 rows interleaved, AVX2) against the row layout (Q5's: ggml's
+/// blocks) and against
+/// dequantize-into-`gemm`, per packed format, at SmolLM2-135M's MLP shapes, 1 to 512 rows of
+/// x, on the pool; the best of 9 in GMAC/s.
+/// `cargo test --release --test kernel probe_packed -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn probe_packed() -> candle_core::Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use tiny_decoder::model::linear::quant::{Format, QWeight};
+    let dev = Device::Cpu;
+    for (format, ggml) in [
+        (Format::Q8_0, GgmlDType::Q8_0),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q4_1, GgmlDType::Q4_1),
+        (Format::Q5_0, GgmlDType::Q5_0),
+        (Format::Q5_1, GgmlDType::Q5_1),
+    ] {
+        for (n, k) in [(1536usize, 576usize), (576, 1536)] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+            let bytes = QTensor::quantize(&w, ggml)?.data()?.into_owned();
+            let q = QWeight::from_ggml(format, n, k, &bytes).expect("blocks of the shape");
+            let (rows, packed) = (q.clone().repacked(false), q.repacked(true));
+            for m in [1, 2, 8, 64, 128, 512] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?
+                    .to_vec2::<f32>()?
+                    .concat();
+                let mut y = vec![0f32; m * n];
+                let mut best = [f64::MAX; 3];
+                for _ in 0..9 {
+                    let t = std::time::Instant::now();
+                    rows.product(&x, &mut y);
+                    best[0] = best[0].min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    packed.product(&x, &mut y);
+                    best[1] = best[1].min(t.elapsed().as_secs_f64());
+                    if m >= 64 {
+                        let t = std::time::Instant::now();
+                        prefill::product(&x, k, Weights::Blocks(&rows), &mut y);
+                        best[2] = best[2].min(t.elapsed().as_secs_f64());
+                    }
+                }
+                let mac = (m * n * k) as f64 / 1e9;
+                println!(
+                    "{format:?} {n}x{k} m={m}: rows {:.1}, packed {:.1}, gemm {:.1} GMAC/s",
+                    mac / best[0],
+                    mac / best[1],
+                    mac / best[2]
+                );
+            }
+        }
+    }
+    Ok(())
+}

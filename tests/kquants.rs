@@ -3,16 +3,19 @@
 //! `llama-quantize` makes (scripts/make_kquants.sh: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q5_0,
 //! Q5_1, Q4_1, Q8_0, which between them hold Q2_K ... Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
 //! tensors). For each file:
-//! - a prompt-sized forward (the blocks dequantized into `gemm`'s tiles, as `eval` runs):
-//!   perplexity within 0.5% of the f32 model's, and the greedy choice the same at every
-//!   position where the f32 model's top logit leads the next by more than 0.5;
-//! - token by token through the cache (the integer kernels): x is rounded to Q8_0 there, as
-//!   llama.cpp rounds it, which moves a logit by up to ~1.5 (0.6 on average at the largest;
-//!   the same for the Q8_0 and Q4_1 files, whose kernels are older): perplexity over 64
-//!   tokens within 6% (measured: 0.2-2.1%, and 3.9% for Q2_K, a model at perplexity ~450
-//!   whose choices are near-ties, where a change of summation order alone moved it from
-//!   0.3%; a misread field costs many times that), and the greedy choice the same where the
-//!   lead is over 2.
+//! - a prompt-sized forward: the K-quant tensors' blocks dequantized into `gemm`'s tiles,
+//!   the packed formats' (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 on AVX2) through their integer
+//!   kernel with x rounded to Q8_0, as llama.cpp rounds it for prompts too: perplexity within
+//!   1.5% (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0 file, whose every tensor rounds
+//!   x; 0.5% bounded them all while prompts took `gemm` throughout), and the greedy choice
+//!   the same at every position where the f32 model's top logit leads the next by more
+//!   than 1 (88-115 of 256 positions);
+//! - token by token through the cache (the integer kernels): x is rounded to Q8_0 there
+//!   for every format, which moves a logit by up to ~1.5 (0.6 on average at the largest):
+//!   perplexity over 64 tokens within 6% (measured: 0.1-2.2%; 3.9% for Q2_K before the
+//!   packed kernels, a model at perplexity ~450 whose choices are near-ties, where a change
+//!   of summation order alone moved it from 0.3%; a misread field costs many times that),
+//!   and the greedy choice the same where the lead is over 2.
 //!
 //! Where the files have not been made these tests say so on stderr and do nothing; with
 //! TINY_DECODER_REQUIRE_SMOLLM2=1 (set by .ci/run, which makes them) a missing one fails.
@@ -107,10 +110,10 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         let (l_blocks, l_dense) = (full_logits(&blocks, ids), full_logits(&dense, ids));
         let (p_blocks, p_dense) = (perplexity(&l_blocks, ids), perplexity(&l_dense, ids));
         assert!(
-            (p_blocks / p_dense - 1.0).abs() <= 0.005,
+            (p_blocks / p_dense - 1.0).abs() <= 0.015,
             "{t} prompt: perplexity {p_blocks} in blocks, {p_dense} dequantized"
         );
-        let prompt_checked = same_choices(t, &l_blocks, &l_dense, 0.5);
+        let prompt_checked = same_choices(t, &l_blocks, &l_dense, 1.0);
         let ids = &ids[..64];
         let (s_blocks, s_dense) = (stepped(&blocks, ids), stepped(&dense, ids));
         let (q_blocks, q_dense) = (perplexity(&s_blocks, ids), perplexity(&s_dense, ids));
@@ -120,7 +123,7 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         );
         let checked = same_choices(t, &s_blocks, &s_dense, 2.0);
         assert!(
-            prompt_checked >= 128 && checked >= 4,
+            prompt_checked >= 64 && checked >= 4,
             "{t}: only {prompt_checked} of 256 positions and {checked} of 64 steps had a clear lead"
         );
         eprintln!(

@@ -13,6 +13,10 @@
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
 //! (`quant/kquant.rs`), against the same Q8_0 rows of x.
 //!
+//! On AVX2 CPUs, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are repacked at load into groups of 8
+//! interleaved rows (`quant/packed.rs`) and every product of theirs, decode and prompt, goes
+//! through the packed kernel instead.
+//!
 //! Over 300 lines on purpose: the formats' table, the constructors that establish what the
 //! kernels' unchecked loads rely on, and the product that checks it once belong together.
 //!
@@ -22,10 +26,12 @@
 //! the same loaded minute, AVX2 host). candle's kernels stay for CUDA.
 
 mod kquant;
+mod packed;
 mod round;
 mod simd;
 mod tile;
 
+use crate::model::linear::simd::Isa;
 use crate::model::pool::Pool;
 use half::f16;
 use round::{quantize_q4, quantize_q4_1, quantize_q8};
@@ -113,6 +119,12 @@ pub struct QWeight {
     /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights; the other formats:
     /// ggml's blocks as the file stores them, scales included.
     quants: Vec<u8>,
+    /// Packed Q5_0 and Q5_1: the fifth bits of each block (see [`packed`]); empty
+    /// otherwise.
+    highs: Vec<u32>,
+    /// Whether scales, minimums, quants and highs are in [`packed`]'s layout (groups of 8
+    /// rows) rather than row-major.
+    packed: bool,
 }
 
 /// Rows of x in Q8_0 with f32 scales: the other operand of every dot product. Against a
@@ -164,14 +176,17 @@ impl QWeight {
             };
             scales.push(f16::from_f32(d));
         }
-        Some(Self {
+        let w = Self {
             format,
             rows: w.len() / cols,
             cols,
             scales,
             mins,
             quants,
-        })
+            highs: Vec::new(),
+            packed: false,
+        };
+        Some(w.repacked(packed::wanted(format)))
     }
 
     /// A (rows, cols) matrix from ggml's bytes for it, as GGUF files store them: for Q8_0,
@@ -188,14 +203,17 @@ impl QWeight {
             return None;
         }
         if !format.split() {
-            return Some(Self {
+            let w = Self {
                 format,
                 rows,
                 cols,
                 scales: Vec::new(),
                 mins: Vec::new(),
                 quants: bytes.to_vec(),
-            });
+                highs: Vec::new(),
+                packed: false,
+            };
+            return Some(w.repacked(packed::wanted(format)));
         }
         let per_block = format.quant_bytes();
         let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
@@ -208,14 +226,17 @@ impl QWeight {
             }
             quants.extend_from_slice(&block[2 * format.halves()..]);
         }
-        Some(Self {
+        let w = Self {
             format,
             rows,
             cols,
             scales,
             mins,
             quants,
-        })
+            highs: Vec::new(),
+            packed: false,
+        };
+        Some(w.repacked(packed::wanted(format)))
     }
 
     pub fn format(&self) -> Format {
@@ -233,22 +254,19 @@ impl QWeight {
     /// Bytes held: quants, scales and minimums (ggml's: 34 per Q8_0 block, 18 per Q4_0
     /// block, 20 per Q4_1 block, and the file's own for the other formats).
     pub fn bytes(&self) -> usize {
-        self.quants.len() + 2 * (self.scales.len() + self.mins.len())
+        self.quants.len() + 2 * (self.scales.len() + self.mins.len()) + 4 * self.highs.len()
     }
 
     /// The signed integer value of weight `i` of block `b` (the tests' reference).
     #[cfg(test)]
     fn quant(&self, b: usize, i: usize) -> i32 {
-        match self.format {
-            Format::Q8_0 => self.quants[b * BLOCK + i] as i8 as i32,
-            Format::Q4_0 | Format::Q4_1 => {
-                let byte = self.quants[b * BLOCK / 2 + i % 16];
-                let nibble = if i < 16 { byte & 0x0F } else { byte >> 4 };
-                let offset = if self.format == Format::Q4_0 { 8 } else { 0 };
-                nibble as i32 - offset
-            }
-            _ => panic!("{:?} keeps no integer per weight apart", self.format),
-        }
+        let p = self.parts(b);
+        let offset = match self.format {
+            Format::Q4_0 => 8,
+            Format::Q5_0 => 16,
+            _ => 0,
+        };
+        p.quant(self.format, i) - offset
     }
 
     /// `y (M, rows) = x (M, cols) · Wᵀ` on the integer kernels, the weight rows split over
@@ -264,10 +282,11 @@ impl QWeight {
             self.cols
         );
         // What the kernels' unchecked loads rely on, checked once per product.
-        let blocks = self.rows * self.cols / BLOCK;
         let ggml_blocks = self.rows * self.cols / self.format.block_weights();
         let fits = match self.format.split() {
+            _ if self.packed => self.packed_fits(),
             true => {
+                let blocks = self.stored_blocks();
                 self.scales.len() == blocks
                     && self.quants.len() == blocks * self.format.quant_bytes()
                     && self.mins.len()
@@ -288,7 +307,11 @@ impl QWeight {
             self.rows, self.cols
         );
         let pool = Pool::global();
-        if m >= 2 && tile::available() {
+        #[cfg(target_arch = "x86_64")]
+        if self.packed && Isa::current().has_avx2() {
+            return self.packed_product(x, y);
+        }
+        if m >= 2 && tile::available() && !self.packed {
             let rows =
                 (self.rows.div_ceil(pool.threads() * 4).max(1)).next_multiple_of(tile::tile_rows());
             // A block of x rows at a time, each through every weight row.
@@ -311,6 +334,8 @@ impl QWeight {
         }
         let xq = QRows::quantize_for(self.format, x, self.cols);
         debug_assert_eq!(xq.scales.len(), m * self.cols / BLOCK);
+        // A packed weight here is read through `simd`'s scalar loop (the CPU lacks AVX2
+        // only where a test packed it), which reads either layout.
         let out = Out(y.as_mut_ptr());
         let out = &out;
         let rows = self.rows.div_ceil(pool.threads() * 4).max(1);

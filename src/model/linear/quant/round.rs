@@ -146,7 +146,7 @@ impl QWeight {
             buf.resize(rows * cols, 0.0);
         }
         let out = &mut buf[..rows * cols];
-        if !self.format.split() {
+        if !self.format.split() && !self.packed {
             super::kquant::dequantize_transposed(self, (r0, rows), (c0, cols), out);
             return out;
         }
@@ -162,40 +162,16 @@ impl QWeight {
         out
     }
 
-    /// Block `b`'s 32 weights in f32: `d · q + c`, with c = -8·d for Q4_0 and the minimum
-    /// for Q4_1 (the one decoding of a block; the kernels keep q as integers instead); for
-    /// the formats kept in ggml's blocks, the b-th 32 weights of the row-major matrix.
+    /// Block `b`'s 32 weights in f32: `d · q + c`, with c = -8·d for Q4_0, -16·d for Q5_0,
+    /// the minimum for Q4_1 and Q5_1 (the one decoding of a block; the kernels keep q as
+    /// integers instead); for the formats kept in ggml's blocks, the b-th 32 weights of the
+    /// row-major matrix.
     fn values(&self, b: usize) -> [f32; BLOCK] {
-        if !self.format.split() {
+        if !self.format.split() && !self.packed {
             return super::kquant::values(self, b);
         }
-        let d = self.scales[b].to_f32();
-        let mut out = [0f32; BLOCK];
-        match self.format {
-            Format::Q8_0 => {
-                let q = &self.quants[b * BLOCK..(b + 1) * BLOCK];
-                for (v, &q) in out.iter_mut().zip(q) {
-                    *v = d * (q as i8) as f32;
-                }
-            }
-            Format::Q4_0 | Format::Q4_1 => {
-                let c = match self.format {
-                    Format::Q4_0 => -8.0 * d,
-                    _ => self.min(b),
-                };
-                let q = &self.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
-                for (j, &q) in q.iter().enumerate() {
-                    out[j] = d * (q & 0x0F) as f32 + c;
-                    out[j + BLOCK / 2] = d * (q >> 4) as f32 + c;
-                }
-            }
-            _ => unreachable!("{:?} is decoded above", self.format),
-        }
-        out
-    }
-
-    /// Block `b`'s minimum (0 but for Q4_1).
-    pub(super) fn min(&self, b: usize) -> f32 {
-        self.mins.get(b).map_or(0.0, |m| m.to_f32())
+        let p = self.parts(b);
+        let (d, c) = (p.d.to_f32(), p.offset(self.format));
+        std::array::from_fn(|j| d * p.quant(self.format, j) as f32 + c)
     }
 }

@@ -24,6 +24,10 @@ use crate::model::linear::simd::{Isa, IsaKind};
 /// `r` is a row of `w` and `i` a row of `x`, of `w`'s width; `w`'s blocks match its shape
 /// (`QWeight::product` checks both once, outside its loops).
 pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+    if w.packed {
+        // Only on a CPU without AVX2, where a test packed it (`packed`).
+        return scalar(w, r, x, i) + offsets(w, r, x, i);
+    }
     if !w.format.split() {
         // SAFETY: the caller's.
         return unsafe { super::kquant::dot(w, r, x, i) };
@@ -56,6 +60,9 @@ pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 /// # Safety
 /// As [`dot`], for rows `i0..i0 + 4` of `x`.
 pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+    if w.packed {
+        return std::array::from_fn(|j| scalar(w, r, x, i0 + j) + offsets(w, r, x, i0 + j));
+    }
     if !w.format.split() {
         // SAFETY: the caller's.
         return unsafe { super::kquant::dot4(w, r, x, i0) };
@@ -77,50 +84,31 @@ pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
     std::array::from_fn(|j| scalar(w, r, x, i0 + j) + offsets(w, r, x, i0 + j))
 }
 
-/// `Σ_b c[b] · d_x[b] · Σ_j x[b, j]`: what the nibble formats' offsets add to a row's dot
-/// product (`c` = -8·d for Q4_0, the minimum m for Q4_1; Q8_0 has none).
+/// `Σ_b c[b] · d_x[b] · Σ_j x[b, j]`: what the offsets of the 4- and 5-bit formats add to a
+/// row's dot product (`c` = -8·d for Q4_0, -16·d for Q5_0, the minimum m for Q4_1 and
+/// Q5_1; Q8_0 has none).
 fn offsets(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     let blocks = w.cols / BLOCK;
     let sums = &x.sums[i * blocks..(i + 1) * blocks];
-    let row = r * blocks..(r + 1) * blocks;
-    match w.format {
-        Format::Q8_0 => 0.0,
-        Format::Q4_0 => {
-            -8.0 * (w.scales[row].iter().zip(sums))
-                .map(|(d, s)| d.to_f32() * s)
-                .sum::<f32>()
-        }
-        Format::Q4_1 => (w.mins[row].iter().zip(sums))
-            .map(|(m, s)| m.to_f32() * s)
-            .sum(),
-        _ => unreachable!("{:?} goes to kquant", w.format),
-    }
+    (r * blocks..(r + 1) * blocks)
+        .zip(sums)
+        .map(|(b, s)| w.parts(b).offset(w.format) * s)
+        .sum()
 }
 
-/// The stored integer of weight `j` of block `wb`: Q8_0's signed byte, a nibble's 0..=15.
-fn stored(w: &QWeight, wb: usize, j: usize) -> i32 {
-    match w.format {
-        Format::Q8_0 => w.quants[wb * BLOCK + j] as i8 as i32,
-        Format::Q4_0 | Format::Q4_1 => {
-            let byte = w.quants[wb * BLOCK / 2 + j % (BLOCK / 2)];
-            (if j < BLOCK / 2 {
-                byte & 0x0F
-            } else {
-                byte >> 4
-            }) as i32
-        }
-        _ => unreachable!("{:?} goes to kquant", w.format),
-    }
-}
-
+/// The row's integer dot products, block by block, scaled: the reference the vector forms
+/// are tested against, in either layout.
 fn scalar(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     let blocks = w.cols / BLOCK;
     (0..blocks)
         .map(|b| {
             let (wb, xb) = (r * blocks + b, i * blocks + b);
             let xs = &x.quants[xb * BLOCK..(xb + 1) * BLOCK];
-            let sum: i32 = (0..BLOCK).map(|j| stored(w, wb, j) * xs[j] as i32).sum();
-            w.scales[wb].to_f32() * x.scales[xb] * sum as f32
+            let p = w.parts(wb);
+            let sum: i32 = (0..BLOCK)
+                .map(|j| p.quant(w.format, j) * xs[j] as i32)
+                .sum();
+            p.d.to_f32() * x.scales[xb] * sum as f32
         })
         .sum()
 }
@@ -216,7 +204,7 @@ pub(super) mod x86 {
     /// AVX2, FMA and F16C; `r` and `i` are rows of `w` and `x`, which have the same width.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
-        debug_assert_eq!(x.cols, w.cols);
+        debug_assert!(x.cols == w.cols && !w.packed);
         // SAFETY: the caller's.
         unsafe {
             match w.format {
@@ -255,6 +243,7 @@ pub(super) mod x86 {
     /// As [`dot`], for rows `i0..i0 + 4` of x.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
+        debug_assert!(!w.packed);
         // SAFETY: the caller's.
         unsafe {
             match w.format {

@@ -47,6 +47,7 @@ pub fn x_block_rows(cols: usize) -> usize {
 /// writes at `i · w.rows + r` for i < M and r0 <= r < r1, which nothing else touches
 /// meanwhile; `w`'s blocks match its shape (`QWeight::product` checks it).
 pub unsafe fn rows(w: &QWeight, r: (usize, usize), x: &QRows, y: *mut f32) {
+    debug_assert!(!w.packed, "the tile reads rows, not the packed layout");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the caller's; Isa::current() says which of the two this CPU runs.
     unsafe {

@@ -48,7 +48,9 @@ fn dequantization_equals_ggml() {
     for (format, ggml) in FORMATS {
         let (rows, cols) = (3, 2 * format.block_weights());
         let (bytes, want) = made(ggml, rows, cols, 1);
-        let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+        let q = QWeight::from_ggml(format, rows, cols, &bytes)
+            .unwrap()
+            .repacked(false);
         assert_eq!(q.bytes(), bytes.len());
         let got = q.dequantize();
         let top = want.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -72,7 +74,9 @@ fn products_equal_the_dequantized_weights() {
     for (format, ggml) in FORMATS {
         let (rows, cols) = (13, 3 * format.block_weights());
         let (bytes, dense) = made(ggml, rows, cols, 2);
-        let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+        let q = QWeight::from_ggml(format, rows, cols, &bytes)
+            .unwrap()
+            .repacked(false);
         for m in [1, 4, 9] {
             let x = data(m * cols, 3 + m as u32);
             let xq = QRows::quantize_for(format, &x, cols);
@@ -118,7 +122,9 @@ fn vector_form_equals_the_scalar_loop() {
     for (format, ggml) in FORMATS {
         let (rows, cols) = (5, format.block_weights() * 2);
         let (bytes, _) = made(ggml, rows, cols, 4);
-        let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+        let q = QWeight::from_ggml(format, rows, cols, &bytes)
+            .unwrap()
+            .repacked(false);
         let m = 6;
         let xq = QRows::quantize_for(format, &data(m * cols, 5), cols);
         for r in 0..rows {

@@ -15,7 +15,7 @@ fn vector_forms_equal_the_scalar_loop() {
             |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * s).sin()).collect() };
         let (w, x) = (wave(rows * cols, 0.37), wave(m * cols, 0.91));
         let xq = QRows::quantize(&x, cols);
-        let q = QWeight::quantize(format, &w, cols).unwrap();
+        let q = QWeight::quantize(format, &w, cols).unwrap().repacked(false);
         for r in 0..rows {
             // SAFETY: r < rows and 1 + 4 <= m rows of xq, made for this weight.
             let four = unsafe { dot4(&q, r, &xq, 1) };

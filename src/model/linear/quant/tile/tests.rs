@@ -69,7 +69,9 @@ fn every_tile_kernel_equals_the_dequantized_product() {
                 .data()
                 .unwrap()
                 .into_owned();
-            let q = QWeight::from_ggml(format, rows, cols, &bytes).unwrap();
+            let q = QWeight::from_ggml(format, rows, cols, &bytes)
+                .unwrap()
+                .repacked(false);
             let dense = q.dequantize();
             for m in [2, 5, 9] {
                 let xq = QRows::quantize_for(format, &data(m * cols, 2 + m as u32), cols);

@@ -1,0 +1,319 @@
+//! Weights repacked at load for the kernel that reads them, as llama.cpp's CPU "repack"
+//! buffers (its `q4_0_8x8`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows in groups of [`ROWS`],
+//! so that one 32-byte load holds 4 bytes of each of 8 rows and a vector lane is a weight
+//! row.
+//!
+//! In the row layout each dot product of 32 weights ends in a conversion, a scale and an
+//! FMA of its own, and each row in a horizontal sum: the float work outweighed the integer
+//! work (on Zen 3, 8 `maddubs` + 8 `madd` against 24 float operations per 256 products).
+//! Packed, a block of 8 rows is one vector of 8 integer sums, scaled by one vector of the 8
+//! rows' `d` and x's `dx`: the float work is per 8 rows, and no row ends in a horizontal sum.
+//!
+//! The layout, for the group of rows `8g..8g + 8` and the block `c` (columns `32c..32c + 32`)
+//! of a format with `qb` quant bytes per block (32 for Q8_0, 16 for the nibbles):
+//! - `scales[(g · blocks + c) · 8 + l]`: row `8g + l`'s `d` (and `mins` likewise for Q4_1
+//!   and Q5_1, `highs` for Q5's fifth bits, rearranged by [`spread`]);
+//! - `quants[(g · blocks + c) · 8 · qb + 32v + 4l ..][..4]`: row `8g + l`'s quant bytes
+//!   `4v..4v + 4` of its block, as ggml stores them (a nibble byte `i` holds weight `i` low
+//!   and `i + 16` high).
+//!
+//! A weight whose rows are not a multiple of 8 is padded with rows of zeros, never written
+//! out. Only AVX2 CPUs pack ([`wanted`]): the AVX-512 hosts keep their row-layout VNNI
+//! kernels until the packed one is measured there; ARM keeps its `sdot` rows.
+
+#[cfg(target_arch = "x86_64")]
+use super::{tile, Out, QRows};
+use super::{Format, QWeight, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use crate::model::pool::Pool;
+use half::f16;
+
+/// Rows per group: the lanes of an AVX2 vector of f32.
+pub(super) const ROWS: usize = 8;
+
+/// Whether a weight in `format` is packed on this CPU (see the file's header).
+pub(super) fn wanted(format: Format) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::model::linear::simd::{Isa, IsaKind};
+        packs(format) && Isa::current().kind() == IsaKind::Avx2
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = format;
+        false
+    }
+}
+
+/// One 32-weight block of a packable format, whichever layout holds it.
+#[derive(Clone, Copy)]
+pub(super) struct Parts {
+    pub d: f16,
+    /// Q4_1's and Q5_1's `m` (w = d·q + m); 0 otherwise.
+    pub m: f16,
+    /// The quant bytes as ggml stores them (the first 16 for the 4- and 5-bit formats).
+    pub qs: [u8; BLOCK],
+    /// Q5_0's and Q5_1's fifth bits, bit j for weight j; 0 otherwise.
+    pub qh: u32,
+}
+
+impl Parts {
+    /// The stored integer of weight `j`: Q8_0's signed byte, a nibble (0..=15), a nibble and
+    /// its fifth bit (0..=31).
+    pub(super) fn quant(&self, format: Format, j: usize) -> i32 {
+        let nibble = |j: usize| match j < 16 {
+            true => self.qs[j] & 0x0F,
+            false => self.qs[j - 16] >> 4,
+        } as i32;
+        match format {
+            Format::Q8_0 => self.qs[j] as i8 as i32,
+            Format::Q5_0 | Format::Q5_1 => nibble(j) | ((self.qh >> j) as i32 & 1) << 4,
+            _ => nibble(j),
+        }
+    }
+
+    /// What the block adds to each weight, `w = d·q + offset`: Q4_0's −8·d, Q5_0's −16·d,
+    /// Q4_1's and Q5_1's m, Q8_0's 0.
+    pub(super) fn offset(&self, format: Format) -> f32 {
+        match format {
+            Format::Q4_0 => -8.0 * self.d.to_f32(),
+            Format::Q5_0 => -16.0 * self.d.to_f32(),
+            Format::Q4_1 | Format::Q5_1 => self.m.to_f32(),
+            _ => 0.0,
+        }
+    }
+}
+
+/// Whether `format` has a packed layout.
+pub(super) fn packs(format: Format) -> bool {
+    matches!(
+        format,
+        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1
+    )
+}
+
+/// The formats with a minimum per block (`mins`).
+fn has_mins(format: Format) -> bool {
+    matches!(format, Format::Q4_1 | Format::Q5_1)
+}
+
+/// Bytes ahead of Q5's fifth bits in ggml's block: d, and m for Q5_1.
+fn ggml_head(format: Format) -> usize {
+    if has_mins(format) {
+        4
+    } else {
+        2
+    }
+}
+
+/// The formats with fifth bits (`highs`).
+fn has_highs(format: Format) -> bool {
+    matches!(format, Format::Q5_0 | Format::Q5_1)
+}
+
+impl QWeight {
+    /// This weight in the packed layout (`true`) or as it was read (`false`: rows, Q5's in
+    /// ggml's blocks); the same weights either way. The constructors choose by [`wanted`];
+    /// tests and probes choose here. The other formats stay as they are.
+    pub fn repacked(self, packed: bool) -> Self {
+        if packed == self.packed || !packs(self.format) {
+            return self;
+        }
+        let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
+        let mut out = Self {
+            scales: Vec::new(),
+            mins: Vec::new(),
+            quants: Vec::new(),
+            highs: Vec::new(),
+            packed,
+            ..self.clone()
+        };
+        let blocks = out.stored_blocks();
+        if packed || self.format.split() {
+            out.scales = vec![f16::ZERO; blocks];
+            out.mins = vec![f16::ZERO; if has_mins(self.format) { blocks } else { 0 }];
+            out.quants = vec![0u8; blocks * qb];
+        } else {
+            out.quants = vec![0u8; blocks * self.format.ggml_bytes()];
+        }
+        if packed && has_highs(self.format) {
+            out.highs = vec![0u32; blocks];
+        }
+        for b in 0..self.rows * nb {
+            out.put(b, self.parts(b));
+        }
+        out
+    }
+
+    /// `QWeight::product` for a packed weight on AVX2: groups of 8 rows split over the
+    /// pool, x in blocks of rows that stay in the near caches ([`tile::x_block_rows`]).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn packed_product(&self, x: &[f32], y: &mut [f32]) {
+        let pool = Pool::global();
+        let groups = self.rows.div_ceil(ROWS);
+        let per = groups.div_ceil(pool.threads() * 4).max(1);
+        let block = tile::x_block_rows(self.cols);
+        for (x, y) in x
+            .chunks(block * self.cols)
+            .zip(y.chunks_mut(block * self.rows))
+        {
+            let xq = QRows::quantize_for(self.format, x, self.cols);
+            let out = &Out(y.as_mut_ptr());
+            pool.run(groups.div_ceil(per), &|c| {
+                let (g0, g1) = (c * per, ((c + 1) * per).min(groups));
+                // SAFETY: the caller (`product`) checked AVX2 and the planes against the
+                // shape; chunk c alone writes the columns of groups g0..g1; x holds this
+                // block's rows at our width.
+                unsafe { x86::rows(self, (g0, g1), &xq, out.0) };
+            });
+        }
+    }
+
+    /// Whether the blocks are in the packed layout.
+    pub fn is_packed(&self) -> bool {
+        self.packed
+    }
+
+    /// Row-major block `b` of a packable format, in either layout.
+    pub(super) fn parts(&self, b: usize) -> Parts {
+        let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
+        let mut qs = [0u8; BLOCK];
+        if !self.packed && !self.format.split() {
+            // Q5_0 and Q5_1 as ggml stores them: d, (m), qh, qs.
+            let n = self.format.ggml_bytes();
+            let blk = &self.quants[b * n..(b + 1) * n];
+            let half = |at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]);
+            let h = ggml_head(self.format);
+            qs[..16].copy_from_slice(&blk[h + 4..h + 20]);
+            return Parts {
+                d: half(0),
+                m: if has_mins(self.format) {
+                    half(2)
+                } else {
+                    f16::ZERO
+                },
+                qs,
+                qh: u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]),
+            };
+        }
+        for v in 0..qb / 4 {
+            let from = unit_at(self.packed, nb, qb, b, v);
+            qs[4 * v..4 * v + 4].copy_from_slice(&self.quants[from..from + 4]);
+        }
+        let at = block_at(self.packed, nb, b);
+        Parts {
+            d: self.scales[at],
+            m: self.mins.get(at).copied().unwrap_or(f16::ZERO),
+            qs,
+            qh: self.highs.get(at).map_or(0, |&h| unspread(h)),
+        }
+    }
+
+    /// Writes row-major block `b` in this weight's layout (whose planes are allocated).
+    fn put(&mut self, b: usize, p: Parts) {
+        let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
+        if !self.packed && !self.format.split() {
+            let n = self.format.ggml_bytes();
+            let blk = &mut self.quants[b * n..(b + 1) * n];
+            blk[..2].copy_from_slice(&p.d.to_le_bytes());
+            if has_mins(self.format) {
+                blk[2..4].copy_from_slice(&p.m.to_le_bytes());
+            }
+            let h = ggml_head(self.format);
+            blk[h..h + 4].copy_from_slice(&p.qh.to_le_bytes());
+            blk[h + 4..h + 20].copy_from_slice(&p.qs[..16]);
+            return;
+        }
+        let at = block_at(self.packed, nb, b);
+        self.scales[at] = p.d;
+        if let Some(m) = self.mins.get_mut(at) {
+            *m = p.m;
+        }
+        if let Some(h) = self.highs.get_mut(at) {
+            *h = spread(p.qh);
+        }
+        for v in 0..qb / 4 {
+            let to = unit_at(self.packed, nb, qb, b, v);
+            self.quants[to..to + 4].copy_from_slice(&p.qs[4 * v..4 * v + 4]);
+        }
+    }
+
+    /// How many blocks (scales) a packable format's weight of this shape holds in its
+    /// layout, padding rows included.
+    pub(super) fn stored_blocks(&self) -> usize {
+        lengths(self.packed, self.rows, self.cols)
+    }
+
+    /// Whether the planes of a packed weight hold its shape (what the kernel's unchecked
+    /// loads rely on).
+    pub(super) fn packed_fits(&self) -> bool {
+        let blocks = self.stored_blocks();
+        let expect = |yes: bool| if yes { blocks } else { 0 };
+        self.packed
+            && self.scales.len() == blocks
+            && self.quants.len() == blocks * self.format.quant_bytes()
+            && self.mins.len() == expect(has_mins(self.format))
+            && self.highs.len() == expect(has_highs(self.format))
+    }
+}
+
+/// Q5's fifth bits rearranged for the kernel: bit `8j + v` holds weight `4v + j`'s and bit
+/// `8j + 4 + v` weight `16 + 4v + j`'s (v, j < 4), so that one shift and one mask put the
+/// bits of 4 consecutive weights at bit 4 of 4 bytes.
+fn spread(qh: u32) -> u32 {
+    let mut out = 0;
+    for v in 0..4 {
+        for j in 0..4 {
+            out |= ((qh >> (4 * v + j)) & 1) << (8 * j + v);
+            out |= ((qh >> (16 + 4 * v + j)) & 1) << (8 * j + 4 + v);
+        }
+    }
+    out
+}
+
+/// [`spread`] undone.
+fn unspread(h: u32) -> u32 {
+    let mut qh = 0;
+    for v in 0..4 {
+        for j in 0..4 {
+            qh |= ((h >> (8 * j + v)) & 1) << (4 * v + j);
+            qh |= ((h >> (8 * j + 4 + v)) & 1) << (16 + 4 * v + j);
+        }
+    }
+    qh
+}
+
+/// Blocks of a `rows x cols` weight in a layout, padding rows included.
+fn lengths(packed: bool, rows: usize, cols: usize) -> usize {
+    let rows = match packed {
+        true => rows.next_multiple_of(ROWS),
+        false => rows,
+    };
+    rows * (cols / BLOCK)
+}
+
+/// Where row-major block `b` (of rows of `nb` blocks) keeps its scale, in a layout.
+fn block_at(packed: bool, nb: usize, b: usize) -> usize {
+    match packed {
+        false => b,
+        true => {
+            let (r, c) = (b / nb, b % nb);
+            (r / ROWS * nb + c) * ROWS + r % ROWS
+        }
+    }
+}
+
+/// Where block `b`'s quant bytes `4v..4v + 4` lie, for `qb` quant bytes a block.
+fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
+    let at = block_at(packed, nb, b);
+    match packed {
+        false => at * qb + 4 * v,
+        true => (at - at % ROWS) * qb + 32 * v + 4 * (at % ROWS),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86;
+
+#[cfg(test)]
+mod tests;

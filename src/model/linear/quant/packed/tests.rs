@@ -1,0 +1,109 @@
+//! The packed layout holds the same weights as the rows, and its kernel (where the CPU has
+//! AVX2) and the scalar loop over it equal x times the dequantized weights: every packed
+//! format, weight rows that are not a multiple of 8, 1 to 9 rows of x (the tile's 4 and the
+//! single rows after them).
+
+use super::super::{Format, QRows, QWeight, BLOCK};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+const FORMATS: [(Format, GgmlDType); 5] = [
+    (Format::Q8_0, GgmlDType::Q8_0),
+    (Format::Q4_0, GgmlDType::Q4_0),
+    (Format::Q4_1, GgmlDType::Q4_1),
+    (Format::Q5_0, GgmlDType::Q5_0),
+    (Format::Q5_1, GgmlDType::Q5_1),
+];
+
+/// A `rows x cols` weight in `format`, from the bytes candle's port of ggml's quantizers
+/// writes, as it was read (rows; Q5 in ggml's blocks).
+fn weight((format, ggml): (Format, GgmlDType), rows: usize, cols: usize, seed: u32) -> QWeight {
+    let w = Tensor::from_vec(data(rows * cols, seed), (rows, cols), &Device::Cpu).unwrap();
+    let bytes = QTensor::quantize(&w, ggml)
+        .unwrap()
+        .data()
+        .unwrap()
+        .into_owned();
+    QWeight::from_ggml(format, rows, cols, &bytes)
+        .unwrap()
+        .repacked(false)
+}
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = (i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(seed.wrapping_mul(97));
+            (((h >> 8) % 2001) as f32 / 1000.0 - 1.0) * (1.0 + ((i / 16) % 5) as f32 * 0.5)
+        })
+        .collect()
+}
+
+#[test]
+fn packing_keeps_every_weight() {
+    let (rows, cols) = (13, 3 * BLOCK);
+    for f in FORMATS {
+        let (format, rowwise) = (f.0, weight(f, rows, cols, 1));
+        let packed = rowwise.clone().repacked(true);
+        assert!(packed.is_packed() && !rowwise.is_packed());
+        assert_eq!(packed.dequantize(), rowwise.dequantize(), "{format:?}");
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        assert_eq!(
+            packed.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut a),
+            rowwise.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut b),
+        );
+        // Padded to 16 rows: 3 rows of zeros more, nothing else.
+        let per_row = rowwise.bytes() / rows;
+        assert_eq!(packed.bytes(), 16 * per_row, "{format:?}");
+        let back = packed.repacked(false);
+        assert_eq!(
+            (&back.scales, &back.mins, &back.quants, &back.highs),
+            (
+                &rowwise.scales,
+                &rowwise.mins,
+                &rowwise.quants,
+                &rowwise.highs
+            ),
+            "{format:?}"
+        );
+    }
+}
+
+#[test]
+fn packed_products_equal_the_dequantized_product() {
+    let rows = 13;
+    for f in FORMATS {
+        let format = f.0;
+        for blocks in [1, 3, 6] {
+            let cols = blocks * BLOCK;
+            let q = weight(f, rows, cols, 2).repacked(true);
+            let dense = q.dequantize();
+            for m in [1, 2, 4, 5, 9] {
+                let x = data(m * cols, 3 + m as u32);
+                let xq = QRows::quantize_for(format, &x, cols);
+                let mut kernel = vec![f32::NAN; m * rows];
+                q.product(&x, &mut kernel);
+                for i in 0..m {
+                    for r in 0..rows {
+                        let terms = (0..cols).map(|c| {
+                            let xv =
+                                xq.scales[(i * cols + c) / BLOCK] * xq.quants[i * cols + c] as f32;
+                            dense[r * cols + c] * xv
+                        });
+                        let (want, size) =
+                            terms.fold((0f32, 0f32), |(s, a), t| (s + t, a + t.abs()));
+                        // SAFETY: r and i are rows of q and xq, made for its width.
+                        let scalar = unsafe { super::super::simd::dot(&q, r, &xq, i) };
+                        for (name, got) in [("product", kernel[i * rows + r]), ("scalar", scalar)] {
+                            assert!(
+                                (got - want).abs() <= 1e-4 * size,
+                                "{name} {format:?} {blocks} blocks, m={m} ({i}, {r}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
