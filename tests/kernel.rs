@@ -645,8 +645,12 @@ fn probe_packed() -> candle_core::Result<()> {
         (Format::Q4_1, GgmlDType::Q4_1),
         (Format::Q5_0, GgmlDType::Q5_0),
         (Format::Q5_1, GgmlDType::Q5_1),
+        (Format::Q4K, GgmlDType::Q4K),
     ] {
-        for (n, k) in [(1536usize, 576usize), (576, 1536)] {
+        for (n, k) in [(1536usize, 576usize), (576, 1536), (1536, 1536)] {
+            if !k.is_multiple_of(format.block_weights()) {
+                continue;
+            }
             let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
             let bytes = QTensor::quantize(&w, ggml)?.data()?.into_owned();
             let q = QWeight::from_ggml(format, n, k, &bytes).expect("blocks of the shape");

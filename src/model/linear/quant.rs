@@ -31,7 +31,6 @@ mod round;
 mod simd;
 mod tile;
 
-use crate::model::linear::simd::Isa;
 use crate::model::pool::Pool;
 use half::f16;
 use round::{quantize_q4, quantize_q4_1, quantize_q8};
@@ -106,18 +105,20 @@ impl Format {
 /// A (rows, cols) weight matrix in a block format; `cols` is a multiple of [`BLOCK`].
 #[derive(Debug, Clone)]
 ///
-/// Its fields are private: the kernels' unchecked loads rely on `scales`, `mins` and
-/// `quants` holding exactly `rows · cols` weights, which only the constructors establish.
+/// Its fields are private: the kernels' unchecked loads rely on `scales`, `mins`,
+/// `quants` and `highs` holding exactly `rows · cols` weights in their layout (packed: rows
+/// padded to a multiple of 8), which only the constructors establish and `product` checks.
 pub struct QWeight {
     format: Format,
     rows: usize,
     cols: usize,
-    /// One scale per block, row-major.
+    /// One scale per block, row-major (packed: [`packed`]'s order; Q4_K: its `d` per
+    /// superblock).
     scales: Vec<f16>,
-    /// Q4_1: one minimum per block; empty otherwise.
+    /// Q4_1: one minimum per block (packed: Q5_1's too, and Q4_K's `dmin`); empty otherwise.
     mins: Vec<f16>,
     /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights; the other formats:
-    /// ggml's blocks as the file stores them, scales included.
+    /// ggml's blocks as the file stores them, scales included (packed: [`packed`]'s).
     quants: Vec<u8>,
     /// Packed Q5_0 and Q5_1: the fifth bits of each block (see [`packed`]); empty
     /// otherwise.
@@ -142,6 +143,8 @@ pub struct QRows {
     sums16: Vec<f32>,
     /// `Σ q` per half block, in integers: the K-quant kernels' minimums.
     isums16: Vec<i16>,
+    /// `Σ q` per block, in integers: the packed Q4_K kernel's minimums.
+    isums32: Vec<i16>,
     quants: Vec<i8>,
 }
 
@@ -308,7 +311,7 @@ impl QWeight {
         );
         let pool = Pool::global();
         #[cfg(target_arch = "x86_64")]
-        if self.packed && Isa::current().has_avx2() {
+        if self.packed && crate::model::linear::simd::Isa::current().has_avx2() {
             return self.packed_product(x, y);
         }
         if m >= 2 && tile::available() && !self.packed {

@@ -183,8 +183,16 @@ fn block(w: &QWeight, r: usize, b: usize) -> &[u8] {
 pub(super) fn values(w: &QWeight, b: usize) -> [f32; BLOCK] {
     let chunks = w.format.block_weights() / BLOCK;
     let (per_row, c) = (w.cols / w.format.block_weights(), b % chunks);
-    let blk = block(w, b / chunks / per_row, b / chunks % per_row);
-    let (s, q) = (scales(w.format, blk), quants(w.format, blk, c));
+    values_of(
+        w.format,
+        block(w, b / chunks / per_row, b / chunks % per_row),
+        c,
+    )
+}
+
+/// Chunk `c` (32 weights) of the block whose ggml bytes are `blk`, in f32.
+pub(super) fn values_of(format: Format, blk: &[u8], c: usize) -> [f32; BLOCK] {
+    let (s, q) = (scales(format, blk), quants(format, blk, c));
     std::array::from_fn(|l| {
         let h = 2 * c + l / 16;
         s.d * s.s[h] as f32 * q[l] as f32 - s.dmin * s.m[h] as f32

@@ -1,7 +1,7 @@
 //! Weights repacked at load for the kernel that reads them, as llama.cpp's CPU "repack"
-//! buffers (its `q4_0_8x8`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows in groups of [`ROWS`],
-//! so that one 32-byte load holds 4 bytes of each of 8 rows and a vector lane is a weight
-//! row.
+//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K rows in
+//! groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and a vector
+//! lane is a weight row (Q4_K's superblocks: [`q4k`]).
 //!
 //! In the row layout each dot product of 32 weights ends in a conversion, a scale and an
 //! FMA of its own, and each row in a horizontal sum: the float work outweighed the integer
@@ -27,6 +27,8 @@ use super::{Format, QWeight, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use crate::model::pool::Pool;
 use half::f16;
+pub(super) use parts::Parts;
+use parts::{spread, unspread};
 
 /// Rows per group: the lanes of an AVX2 vector of f32.
 pub(super) const ROWS: usize = 8;
@@ -45,50 +47,11 @@ pub(super) fn wanted(format: Format) -> bool {
     }
 }
 
-/// One 32-weight block of a packable format, whichever layout holds it.
-#[derive(Clone, Copy)]
-pub(super) struct Parts {
-    pub d: f16,
-    /// Q4_1's and Q5_1's `m` (w = d·q + m); 0 otherwise.
-    pub m: f16,
-    /// The quant bytes as ggml stores them (the first 16 for the 4- and 5-bit formats).
-    pub qs: [u8; BLOCK],
-    /// Q5_0's and Q5_1's fifth bits, bit j for weight j; 0 otherwise.
-    pub qh: u32,
-}
-
-impl Parts {
-    /// The stored integer of weight `j`: Q8_0's signed byte, a nibble (0..=15), a nibble and
-    /// its fifth bit (0..=31).
-    pub(super) fn quant(&self, format: Format, j: usize) -> i32 {
-        let nibble = |j: usize| match j < 16 {
-            true => self.qs[j] & 0x0F,
-            false => self.qs[j - 16] >> 4,
-        } as i32;
-        match format {
-            Format::Q8_0 => self.qs[j] as i8 as i32,
-            Format::Q5_0 | Format::Q5_1 => nibble(j) | ((self.qh >> j) as i32 & 1) << 4,
-            _ => nibble(j),
-        }
-    }
-
-    /// What the block adds to each weight, `w = d·q + offset`: Q4_0's −8·d, Q5_0's −16·d,
-    /// Q4_1's and Q5_1's m, Q8_0's 0.
-    pub(super) fn offset(&self, format: Format) -> f32 {
-        match format {
-            Format::Q4_0 => -8.0 * self.d.to_f32(),
-            Format::Q5_0 => -16.0 * self.d.to_f32(),
-            Format::Q4_1 | Format::Q5_1 => self.m.to_f32(),
-            _ => 0.0,
-        }
-    }
-}
-
 /// Whether `format` has a packed layout.
 pub(super) fn packs(format: Format) -> bool {
     matches!(
         format,
-        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1
+        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q4K
     )
 }
 
@@ -119,6 +82,12 @@ impl QWeight {
         if packed == self.packed || !packs(self.format) {
             return self;
         }
+        if self.format == Format::Q4K {
+            return match packed {
+                true => q4k::pack(&self),
+                false => q4k::unpack(&self),
+            };
+        }
         let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
         let mut out = Self {
             scales: Vec::new(),
@@ -126,7 +95,7 @@ impl QWeight {
             quants: Vec::new(),
             highs: Vec::new(),
             packed,
-            ..self.clone()
+            ..self.clone_shape()
         };
         let blocks = out.stored_blocks();
         if packed || self.format.split() {
@@ -149,6 +118,9 @@ impl QWeight {
     /// pool, x in blocks of rows that stay in the near caches ([`tile::x_block_rows`]).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn packed_product(&self, x: &[f32], y: &mut [f32]) {
+        if self.rows == 0 || x.is_empty() {
+            return;
+        }
         let pool = Pool::global();
         let groups = self.rows.div_ceil(ROWS);
         let per = groups.div_ceil(pool.threads() * 4).max(1);
@@ -166,6 +138,20 @@ impl QWeight {
                 // block's rows at our width.
                 unsafe { x86::rows(self, (g0, g1), &xq, out.0) };
             });
+        }
+    }
+
+    /// This weight's format and shape with no planes: what a layout's planes are put into.
+    fn clone_shape(&self) -> QWeight {
+        QWeight {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            scales: Vec::new(),
+            mins: Vec::new(),
+            quants: Vec::new(),
+            highs: Vec::new(),
+            packed: false,
         }
     }
 
@@ -247,6 +233,9 @@ impl QWeight {
     /// Whether the planes of a packed weight hold its shape (what the kernel's unchecked
     /// loads rely on).
     pub(super) fn packed_fits(&self) -> bool {
+        if self.format == Format::Q4K {
+            return self.packed && q4k::fits(self);
+        }
         let blocks = self.stored_blocks();
         let expect = |yes: bool| if yes { blocks } else { 0 };
         self.packed
@@ -255,32 +244,6 @@ impl QWeight {
             && self.mins.len() == expect(has_mins(self.format))
             && self.highs.len() == expect(has_highs(self.format))
     }
-}
-
-/// Q5's fifth bits rearranged for the kernel: bit `8j + v` holds weight `4v + j`'s and bit
-/// `8j + 4 + v` weight `16 + 4v + j`'s (v, j < 4), so that one shift and one mask put the
-/// bits of 4 consecutive weights at bit 4 of 4 bytes.
-fn spread(qh: u32) -> u32 {
-    let mut out = 0;
-    for v in 0..4 {
-        for j in 0..4 {
-            out |= ((qh >> (4 * v + j)) & 1) << (8 * j + v);
-            out |= ((qh >> (16 + 4 * v + j)) & 1) << (8 * j + 4 + v);
-        }
-    }
-    out
-}
-
-/// [`spread`] undone.
-fn unspread(h: u32) -> u32 {
-    let mut qh = 0;
-    for v in 0..4 {
-        for j in 0..4 {
-            qh |= ((h >> (8 * j + v)) & 1) << (4 * v + j);
-            qh |= ((h >> (8 * j + 4 + v)) & 1) << (16 + 4 * v + j);
-        }
-    }
-    qh
 }
 
 /// Blocks of a `rows x cols` weight in a layout, padding rows included.
@@ -312,6 +275,8 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
     }
 }
 
+mod parts;
+pub(super) mod q4k;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86;
 

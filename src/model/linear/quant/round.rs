@@ -37,6 +37,8 @@ impl QRows {
             .chunks_exact(BLOCK / 2)
             .map(|q| sum(q) as i16)
             .collect();
+        // |Σ| <= 32 · 127: an i16 too.
+        let isums32 = isums16.chunks_exact(2).map(|h| h[0] + h[1]).collect();
         let sums16 = (isums16.iter().enumerate())
             .map(|(h, &s)| scales[h / 2] * s as f32)
             .collect();
@@ -47,6 +49,7 @@ impl QRows {
             sums,
             sums16,
             isums16,
+            isums32,
             quants,
         }
     }
@@ -166,7 +169,13 @@ impl QWeight {
     /// the minimum for Q4_1 and Q5_1 (the one decoding of a block; the kernels keep q as
     /// integers instead); for the formats kept in ggml's blocks, the b-th 32 weights of the
     /// row-major matrix.
-    fn values(&self, b: usize) -> [f32; BLOCK] {
+    pub(super) fn values(&self, b: usize) -> [f32; BLOCK] {
+        if self.packed && self.format == Format::Q4K {
+            let (per_row, chunks) = (self.cols / QK_K, QK_K / BLOCK);
+            let (r, sb) = (b / chunks / per_row, b / chunks % per_row);
+            let blk = super::packed::q4k::ggml_block(self, r, sb);
+            return super::kquant::values_of(self.format, &blk, b % chunks);
+        }
         if !self.format.split() && !self.packed {
             return super::kquant::values(self, b);
         }

@@ -26,7 +26,7 @@ use crate::model::linear::simd::{Isa, IsaKind};
 pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     if w.packed {
         // Only on a CPU without AVX2, where a test packed it (`packed`).
-        return scalar(w, r, x, i) + offsets(w, r, x, i);
+        return packed_reference(w, r, x, i);
     }
     if !w.format.split() {
         // SAFETY: the caller's.
@@ -61,7 +61,7 @@ pub unsafe fn dot(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
 /// As [`dot`], for rows `i0..i0 + 4` of `x`.
 pub unsafe fn dot4(w: &QWeight, r: usize, x: &QRows, i0: usize) -> [f32; 4] {
     if w.packed {
-        return std::array::from_fn(|j| scalar(w, r, x, i0 + j) + offsets(w, r, x, i0 + j));
+        return std::array::from_fn(|j| packed_reference(w, r, x, i0 + j));
     }
     if !w.format.split() {
         // SAFETY: the caller's.
@@ -93,6 +93,25 @@ fn offsets(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
     (r * blocks..(r + 1) * blocks)
         .zip(sums)
         .map(|(b, s)| w.parts(b).offset(w.format) * s)
+        .sum()
+}
+
+/// A packed weight's row against row `i` of x without AVX2: [`scalar`] and [`offsets`] for
+/// the 32-weight formats, a K-quant's weights decoded to f32 (one superblock at a time).
+fn packed_reference(w: &QWeight, r: usize, x: &QRows, i: usize) -> f32 {
+    if w.format.block_weights() == BLOCK {
+        return scalar(w, r, x, i) + offsets(w, r, x, i);
+    }
+    let blocks = w.cols / BLOCK;
+    (0..blocks)
+        .map(|b| {
+            let xb = i * blocks + b;
+            let xs = &x.quants[xb * BLOCK..(xb + 1) * BLOCK];
+            let dot: f32 = (w.values(r * blocks + b).iter().zip(xs))
+                .map(|(w, &q)| w * q as f32)
+                .sum();
+            dot * x.scales[xb]
+        })
         .sum()
 }
 

@@ -6,13 +6,15 @@
 use super::super::{Format, QRows, QWeight, BLOCK};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use half::f16;
 
-const FORMATS: [(Format, GgmlDType); 5] = [
+const FORMATS: [(Format, GgmlDType); 6] = [
     (Format::Q8_0, GgmlDType::Q8_0),
     (Format::Q4_0, GgmlDType::Q4_0),
     (Format::Q4_1, GgmlDType::Q4_1),
     (Format::Q5_0, GgmlDType::Q5_0),
     (Format::Q5_1, GgmlDType::Q5_1),
+    (Format::Q4K, GgmlDType::Q4K),
 ];
 
 /// A `rows x cols` weight in `format`, from the bytes candle's port of ggml's quantizers
@@ -42,8 +44,9 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 
 #[test]
 fn packing_keeps_every_weight() {
-    let (rows, cols) = (13, 3 * BLOCK);
+    let rows = 13;
     for f in FORMATS {
+        let cols = 2 * f.0.block_weights().max(3 * BLOCK);
         let (format, rowwise) = (f.0, weight(f, rows, cols, 1));
         let packed = rowwise.clone().repacked(true);
         assert!(packed.is_packed() && !rowwise.is_packed());
@@ -53,8 +56,12 @@ fn packing_keeps_every_weight() {
             packed.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut a),
             rowwise.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut b),
         );
-        // Padded to 16 rows: 3 rows of zeros more, nothing else.
-        let per_row = rowwise.bytes() / rows;
+        // Padded to 16 rows: 3 rows of zeros more, nothing else (Q4_K: its scales unpacked,
+        // 148 bytes a superblock instead of ggml's 144).
+        let per_row = match format {
+            Format::Q4K => cols / 256 * 148,
+            _ => rowwise.bytes() / rows,
+        };
         assert_eq!(packed.bytes(), 16 * per_row, "{format:?}");
         let back = packed.repacked(false);
         assert_eq!(
@@ -75,7 +82,11 @@ fn packed_products_equal_the_dequantized_product() {
     let rows = 13;
     for f in FORMATS {
         let format = f.0;
-        for blocks in [1, 3, 6] {
+        let widths: &[usize] = match format {
+            Format::Q4K => &[8, 16],
+            _ => &[1, 3, 6],
+        };
+        for &blocks in widths {
             let cols = blocks * BLOCK;
             let q = weight(f, rows, cols, 2).repacked(true);
             let dense = q.dequantize();
@@ -103,6 +114,52 @@ fn packed_products_equal_the_dequantized_product() {
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The sums' 16-bit bounds at their worst: every quant at its largest (Q8_0's −128 from a
+/// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (the tile's 4
+/// and the single row after them).
+#[test]
+fn extreme_blocks_stay_within_the_sums_bounds() {
+    let (rows, cols) = (16, 256);
+    let one = f16::ONE.to_le_bytes();
+    for (format, block) in [
+        (Format::Q8_0, [&one[..], &[0x80; 32]].concat()),
+        (Format::Q4_0, [&one[..], &[0xFF; 16]].concat()),
+        (Format::Q4_1, [&one[..], &one[..], &[0xFF; 16]].concat()),
+        (Format::Q5_0, [&one[..], &[0xFF; 4], &[0xFF; 16]].concat()),
+        (
+            Format::Q5_1,
+            [&one[..], &one[..], &[0xFF; 4], &[0xFF; 16]].concat(),
+        ),
+        (
+            Format::Q4K,
+            [&one[..], &one[..], &[0xFF; 12], &[0xFF; 128]].concat(),
+        ),
+    ] {
+        let per_row = cols / format.block_weights();
+        let bytes = block.repeat(rows * per_row);
+        let q = QWeight::from_ggml(format, rows, cols, &bytes)
+            .unwrap()
+            .repacked(true);
+        let dense = q.dequantize();
+        for sign in [1.0f32, -1.0] {
+            let m = 5;
+            let x = vec![sign; m * cols];
+            let mut y = vec![f32::NAN; m * rows];
+            q.product(&x, &mut y);
+            for (i, got) in y.iter().enumerate() {
+                let want: f32 = dense[(i % rows) * cols..][..cols]
+                    .iter()
+                    .map(|w| w * sign)
+                    .sum();
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{format:?} x = {sign}: {got} vs {want}"
+                );
             }
         }
     }

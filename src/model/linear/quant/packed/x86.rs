@@ -21,6 +21,7 @@ const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
 const Q5_1: u8 = 4;
+const Q4K: u8 = 5;
 
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
@@ -43,6 +44,7 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
             Format::Q4_1 => rows_in::<Q4_1>(w, groups, x, y),
             Format::Q5_0 => rows_in::<Q5_0>(w, groups, x, y),
             Format::Q5_1 => rows_in::<Q5_1>(w, groups, x, y),
+            Format::Q4K => rows_in::<Q4K>(w, groups, x, y),
             _ => unreachable!("{:?} is never packed", w.format),
         }
     }
@@ -59,12 +61,22 @@ unsafe fn rows_in<const F: u8>(w: &QWeight, (g0, g1): (usize, usize), x: &QRows,
         let mut i = 0;
         while i + RX <= m {
             // SAFETY: rows i..i + RX of x exist; group g is the caller's.
-            unsafe { tile::<F, RX>(w, g, x, i, y) };
+            unsafe {
+                match F {
+                    Q4K => super::q4k::x86::tile::<RX>(w, g, x, i, y),
+                    _ => tile::<F, RX>(w, g, x, i, y),
+                }
+            }
             i += RX;
         }
         for i in i..m {
             // SAFETY: row i of x exists; group g is the caller's.
-            unsafe { tile::<F, 1>(w, g, x, i, y) };
+            unsafe {
+                match F {
+                    Q4K => super::q4k::x86::tile::<1>(w, g, x, i, y),
+                    _ => tile::<F, 1>(w, g, x, i, y),
+                }
+            }
         }
     }
 }
@@ -189,17 +201,36 @@ unsafe fn tile<const F: u8, const R: usize>(
             }
         }
     }
-    let (r0, n) = (g * ROWS, w.rows);
-    for j in 0..R {
+    // SAFETY: the caller's.
+    unsafe { store(&acc, g, w.rows, i0, y) };
+}
+
+/// Writes a tile's sums: `acc[j]` to row `i0 + j` of `y` (`n` columns), columns `8g..` of
+/// the group's real rows.
+///
+/// # Safety
+/// AVX2; `y` is valid for writes at `(i0 + j) · n + r` for j < R and `8g <= r < min(8g + 8,
+/// n)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn store<const R: usize>(
+    acc: &[__m256; R],
+    g: usize,
+    n: usize,
+    i0: usize,
+    y: *mut f32,
+) {
+    let r0 = g * ROWS;
+    for (j, acc) in acc.iter().enumerate() {
         // SAFETY: row i0 + j of y, columns r0.. of this group (the caller's).
         let out = unsafe { y.add((i0 + j) * n + r0) };
         match r0 + ROWS <= n {
             // SAFETY: 8 columns of this group.
-            true => unsafe { _mm256_storeu_ps(out, acc[j]) },
+            true => unsafe { _mm256_storeu_ps(out, *acc) },
             false => {
                 let mut lanes = [0f32; ROWS];
                 // SAFETY: 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[j]) };
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc) };
                 for (k, &v) in lanes.iter().enumerate().take(n - r0) {
                     // SAFETY: column r0 + k < n, this group's.
                     unsafe { *out.add(k) = v };
@@ -216,7 +247,7 @@ unsafe fn tile<const F: u8, const R: usize>(
 /// AVX2; 4 bytes at `p`.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn bcast(p: *const u8) -> __m256i {
+pub(super) unsafe fn bcast(p: *const u8) -> __m256i {
     // SAFETY: the caller's.
     _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
 }
@@ -227,7 +258,7 @@ unsafe fn bcast(p: *const u8) -> __m256i {
 /// AVX2 and F16C; 8 f16 at `p`.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-unsafe fn half8(p: *const half::f16) -> __m256 {
+pub(super) unsafe fn half8(p: *const half::f16) -> __m256 {
     // SAFETY: the caller's.
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
 }

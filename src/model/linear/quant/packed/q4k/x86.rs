@@ -1,0 +1,123 @@
+//! [`super`]'s kernel on AVX2: the packed kernel's tile (`packed/x86.rs`) for Q4_K.
+
+use super::super::super::kquant::QK_K;
+use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::x86::{bcast, half8, store};
+use super::super::ROWS;
+use super::GROUP_BYTES;
+use std::arch::x86_64::*;
+
+/// The packed kernel's tile for Q4_K: per pair of sub-blocks, 8 loads of nibbles whose low
+/// halves are the first sub-block and high halves the second, each summed in 16 bits by
+/// `maddubs` (at most 8 · 2 · 15 · 127 = 30,480), then to 32 bits by `madd` with the 8
+/// rows' 6-bit scales of the sub-block (in both halves of each lane, by a byte shuffle); the
+/// minimums by one `madd` per pair of the rows' two `m` against x's two sub-block sums.
+/// Then `d · dx` and `dmin · dx`, once per superblock (x has one scale per superblock
+/// against a K-quant).
+///
+/// # Safety
+/// AVX2, FMA and F16C; `w` is packed Q4_K and its planes fit its shape (`q4k::fits`); group
+/// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
+/// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
+/// touches meanwhile.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
+    let low = _mm256_set1_epi8(0x0F);
+    // Per 32-bit lane, its first (second) 16-bit value twice.
+    let (first, second) = (
+        _mm256_setr_epi8(
+            0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9,
+            12, 13, 12, 13,
+        ),
+        _mm256_setr_epi8(
+            2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11,
+            10, 11, 14, 15, 14, 15,
+        ),
+    );
+    let mut acc = [_mm256_setzero_ps(); R];
+    for c in 0..n {
+        let u = g * n + c;
+        // SAFETY (every weight load below): superblock u holds 8 scales and minimums from
+        // u · 8 and GROUP_BYTES of quants from u · GROUP_BYTES (`q4k::fits`); x's rows
+        // i0..i0 + R hold n superblocks.
+        let (d, dmin, base) = unsafe {
+            (
+                half8(w.scales.as_ptr().add(u * ROWS)),
+                half8(w.mins.as_ptr().add(u * ROWS)),
+                w.quants.as_ptr().add(u * GROUP_BYTES),
+            )
+        };
+        let mut xs = [std::ptr::null::<u8>(); R];
+        for j in 0..R {
+            // SAFETY: superblock c of row i0 + j of x.
+            xs[j] = unsafe { x.quants.as_ptr().add((i0 + j) * w.cols + c * QK_K) as *const u8 };
+        }
+        let mut isum = [_mm256_setzero_si256(); R];
+        let mut msum = [_mm256_setzero_si256(); R];
+        for p in 0..4 {
+            let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
+            for v in 0..8 {
+                // SAFETY: see above.
+                let raw =
+                    unsafe { _mm256_loadu_si256(base.add((8 * p + v) * 32) as *const __m256i) };
+                let lo = _mm256_and_si256(raw, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                for j in 0..R {
+                    // SAFETY: 4 bytes at 64p + 4v and 64p + 32 + 4v < 256 of x's superblock.
+                    let (xl, xh) = unsafe {
+                        (
+                            bcast(xs[j].add(64 * p + 4 * v)),
+                            bcast(xs[j].add(64 * p + 32 + 4 * v)),
+                        )
+                    };
+                    s_lo[j] = _mm256_add_epi16(s_lo[j], _mm256_maddubs_epi16(lo, xl));
+                    s_hi[j] = _mm256_add_epi16(s_hi[j], _mm256_maddubs_epi16(hi, xh));
+                }
+            }
+            // SAFETY: 16 bytes of scales and of minimums of pair p, within the superblock.
+            let (sc, mp) = unsafe {
+                (
+                    _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128(base.add(1024 + 16 * p) as *const __m128i),
+                    ),
+                    _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128(base.add(1088 + 16 * p) as *const __m128i),
+                    ),
+                )
+            };
+            let (sc_lo, sc_hi) = (
+                _mm256_shuffle_epi8(sc, first),
+                _mm256_shuffle_epi8(sc, second),
+            );
+            for j in 0..R {
+                let both = _mm256_add_epi32(
+                    _mm256_madd_epi16(s_lo[j], sc_lo),
+                    _mm256_madd_epi16(s_hi[j], sc_hi),
+                );
+                isum[j] = _mm256_add_epi32(isum[j], both);
+                // SAFETY: sub-blocks 8c + 2p and 8c + 2p + 1 of row i0 + j of x.
+                let xsum = unsafe {
+                    bcast(x.isums32.as_ptr().add((i0 + j) * nb + 8 * c + 2 * p) as *const u8)
+                };
+                msum[j] = _mm256_add_epi32(msum[j], _mm256_madd_epi16(mp, xsum));
+            }
+        }
+        for j in 0..R {
+            // SAFETY: block 8c of row i0 + j of x: its superblock's scale.
+            let dx = unsafe { _mm256_broadcast_ss(x.scales.get_unchecked((i0 + j) * nb + 8 * c)) };
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d, dx), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[j]), _mm256_mul_ps(dmin, dx), acc[j]);
+        }
+    }
+    // SAFETY: the caller's.
+    unsafe { store(&acc, g, w.rows, i0, y) };
+}
