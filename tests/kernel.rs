@@ -646,6 +646,7 @@ fn probe_packed() -> candle_core::Result<()> {
         (Format::Q5_0, GgmlDType::Q5_0),
         (Format::Q5_1, GgmlDType::Q5_1),
         (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
     ] {
         for (n, k) in [(1536usize, 576usize), (576, 1536), (1536, 1536)] {
             if !k.is_multiple_of(format.block_weights()) {

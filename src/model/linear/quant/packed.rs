@@ -1,7 +1,7 @@
 //! Weights repacked at load for the kernel that reads them, as llama.cpp's CPU "repack"
-//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K rows in
-//! groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and a vector
-//! lane is a weight row (Q4_K's superblocks: [`q4k`]).
+//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K rows
+//! in groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and a
+//! vector lane is a weight row (the K-quants' superblocks: [`q4k`], [`q6k`]).
 //!
 //! In the row layout each dot product of 32 weights ends in a conversion, a scale and an
 //! FMA of its own, and each row in a horizontal sum: the float work outweighed the integer
@@ -51,7 +51,13 @@ pub(super) fn wanted(format: Format) -> bool {
 pub(super) fn packs(format: Format) -> bool {
     matches!(
         format,
-        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::Q4K
+        Format::Q8_0
+            | Format::Q4_0
+            | Format::Q4_1
+            | Format::Q5_0
+            | Format::Q5_1
+            | Format::Q4K
+            | Format::Q6K
     )
 }
 
@@ -82,11 +88,12 @@ impl QWeight {
         if packed == self.packed || !packs(self.format) {
             return self;
         }
-        if self.format == Format::Q4K {
-            return match packed {
-                true => q4k::pack(&self),
-                false => q4k::unpack(&self),
-            };
+        match (self.format, packed) {
+            (Format::Q4K, true) => return q4k::pack(&self),
+            (Format::Q4K, false) => return q4k::unpack(&self),
+            (Format::Q6K, true) => return q6k::pack(&self),
+            (Format::Q6K, false) => return q6k::unpack(&self),
+            _ => {}
         }
         let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
         let mut out = Self {
@@ -233,8 +240,10 @@ impl QWeight {
     /// Whether the planes of a packed weight hold its shape (what the kernel's unchecked
     /// loads rely on).
     pub(super) fn packed_fits(&self) -> bool {
-        if self.format == Format::Q4K {
-            return self.packed && q4k::fits(self);
+        match self.format {
+            Format::Q4K => return self.packed && q4k::fits(self),
+            Format::Q6K => return self.packed && q6k::fits(self),
+            _ => {}
         }
         let blocks = self.stored_blocks();
         let expect = |yes: bool| if yes { blocks } else { 0 };
@@ -277,6 +286,7 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
 
 mod parts;
 pub(super) mod q4k;
+pub(super) mod q6k;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86;
 

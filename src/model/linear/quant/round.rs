@@ -170,11 +170,20 @@ impl QWeight {
     /// integers instead); for the formats kept in ggml's blocks, the b-th 32 weights of the
     /// row-major matrix.
     pub(super) fn values(&self, b: usize) -> [f32; BLOCK] {
-        if self.packed && self.format == Format::Q4K {
+        if self.packed && matches!(self.format, Format::Q4K | Format::Q6K) {
             let (per_row, chunks) = (self.cols / QK_K, QK_K / BLOCK);
             let (r, sb) = (b / chunks / per_row, b / chunks % per_row);
-            let blk = super::packed::q4k::ggml_block(self, r, sb);
-            return super::kquant::values_of(self.format, &blk, b % chunks);
+            let chunk = b % chunks;
+            return match self.format {
+                Format::Q4K => {
+                    let blk = super::packed::q4k::ggml_block(self, r, sb);
+                    super::kquant::values_of(self.format, &blk, chunk)
+                }
+                _ => {
+                    let blk = super::packed::q6k::ggml_block(self, r, sb);
+                    super::kquant::values_of(self.format, &blk, chunk)
+                }
+            };
         }
         if !self.format.split() && !self.packed {
             return super::kquant::values(self, b);

@@ -8,13 +8,14 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
 
-const FORMATS: [(Format, GgmlDType); 6] = [
+const FORMATS: [(Format, GgmlDType); 7] = [
     (Format::Q8_0, GgmlDType::Q8_0),
     (Format::Q4_0, GgmlDType::Q4_0),
     (Format::Q4_1, GgmlDType::Q4_1),
     (Format::Q5_0, GgmlDType::Q5_0),
     (Format::Q5_1, GgmlDType::Q5_1),
     (Format::Q4K, GgmlDType::Q4K),
+    (Format::Q6K, GgmlDType::Q6K),
 ];
 
 /// A `rows x cols` weight in `format`, from the bytes candle's port of ggml's quantizers
@@ -60,6 +61,7 @@ fn packing_keeps_every_weight() {
         // 148 bytes a superblock instead of ggml's 144).
         let per_row = match format {
             Format::Q4K => cols / 256 * 148,
+            Format::Q6K => cols / 256 * 210,
             _ => rowwise.bytes() / rows,
         };
         assert_eq!(packed.bytes(), 16 * per_row, "{format:?}");
@@ -83,7 +85,7 @@ fn packed_products_equal_the_dequantized_product() {
     for f in FORMATS {
         let format = f.0;
         let widths: &[usize] = match format {
-            Format::Q4K => &[8, 16],
+            Format::Q4K | Format::Q6K => &[8, 16],
             _ => &[1, 3, 6],
         };
         for &blocks in widths {
@@ -138,6 +140,11 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
         (
             Format::Q4K,
             [&one[..], &one[..], &[0xFF; 12], &[0xFF; 128]].concat(),
+        ),
+        // Q6_K: every q at 63 and every scale at -128 (ggml's d comes last).
+        (
+            Format::Q6K,
+            [&[0xFF; 192][..], &[0x80; 16], &one[..]].concat(),
         ),
     ] {
         let per_row = cols / format.block_weights();

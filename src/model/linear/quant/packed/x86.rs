@@ -22,6 +22,7 @@ const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
 const Q5_1: u8 = 4;
 const Q4K: u8 = 5;
+const Q6K: u8 = 6;
 
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
@@ -45,6 +46,7 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
             Format::Q5_0 => rows_in::<Q5_0>(w, groups, x, y),
             Format::Q5_1 => rows_in::<Q5_1>(w, groups, x, y),
             Format::Q4K => rows_in::<Q4K>(w, groups, x, y),
+            Format::Q6K => rows_in::<Q6K>(w, groups, x, y),
             _ => unreachable!("{:?} is never packed", w.format),
         }
     }
@@ -64,6 +66,7 @@ unsafe fn rows_in<const F: u8>(w: &QWeight, (g0, g1): (usize, usize), x: &QRows,
             unsafe {
                 match F {
                     Q4K => super::q4k::x86::tile::<RX>(w, g, x, i, y),
+                    Q6K => super::q6k::x86::tile::<RX>(w, g, x, i, y),
                     _ => tile::<F, RX>(w, g, x, i, y),
                 }
             }
@@ -74,6 +77,7 @@ unsafe fn rows_in<const F: u8>(w: &QWeight, (g0, g1): (usize, usize), x: &QRows,
             unsafe {
                 match F {
                     Q4K => super::q4k::x86::tile::<1>(w, g, x, i, y),
+                    Q6K => super::q6k::x86::tile::<1>(w, g, x, i, y),
                     _ => tile::<F, 1>(w, g, x, i, y),
                 }
             }

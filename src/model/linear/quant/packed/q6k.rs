@@ -1,0 +1,142 @@
+//! Q6_K in [`super`]'s packed layout: superblocks of 256 weights `w = d·sc·(q − 32)`, q in
+//! 0..=63 and a signed 8-bit scale `sc` per 16 weights, for groups of 8 rows.
+//!
+//! Per group `g` and superblock `c` (of `n` a row), at `(g · n + c)`: `scales[.. · 8 + l]`
+//! is row `8g + l`'s `d`; `quants[.. · GROUP_BYTES ..]` holds, for each pair `p` of 32-weight
+//! chunks (weights `64p..64p + 64`):
+//! - 8 loads of low nibbles (`1024` bytes in all): load `8p + v`, row `l`'s 4 bytes at `4l`,
+//!   byte `j` holding weight `64p + 4v + j`'s low 4 bits low and `64p + 32 + 4v + j`'s high;
+//! - 4 loads of high bits (`512` bytes from 1024): load `4p + h`, row `l`'s byte `j` holding
+//!   the 2 high bits of weights `64p + 8h + j`, `64p + 32 + 8h + j`, `64p + 8h + 4 + j` and
+//!   `64p + 32 + 8h + 4 + j`, from its low bits up, so that one shift and a mask put a load's
+//!   bits at bits 4-5 of the matching nibble bytes;
+//! - the scales (`128` bytes from 1536): 32 bytes at `32p`, row `l`'s `sc[4p..4p + 4]` at
+//!   `4l`.
+
+use super::super::kquant::{quants, QK_K};
+use super::super::{Format, QWeight};
+use super::ROWS;
+use half::f16;
+
+/// Bytes of one group's superblock in `quants`.
+pub(super) const GROUP_BYTES: usize = ROWS * 208;
+
+/// ggml's bytes of one Q6_K superblock.
+const GGML: usize = 210;
+
+/// Where superblock `c` of row `r` lies: its index among the groups' superblocks, its lane.
+fn place(w: &QWeight, r: usize, c: usize) -> (usize, usize) {
+    (r / ROWS * (w.cols / QK_K) + c, r % ROWS)
+}
+
+/// `w` (Q6_K in ggml's blocks) packed, its rows padded to a multiple of 8 with zeros.
+pub(super) fn pack(w: &QWeight) -> QWeight {
+    let n = w.cols / QK_K;
+    let units = w.rows.div_ceil(ROWS) * n;
+    let mut out = QWeight {
+        scales: vec![f16::ZERO; units * ROWS],
+        quants: vec![0; units * GROUP_BYTES],
+        packed: true,
+        ..w.clone_shape()
+    };
+    for r in 0..w.rows {
+        for c in 0..n {
+            let blk = &w.quants[(r * n + c) * GGML..][..GGML];
+            let (u, l) = place(w, r, c);
+            out.scales[u * ROWS + l] = f16::from_le_bytes([blk[208], blk[209]]);
+            let mut q = [0u8; QK_K];
+            for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
+                chunk.copy_from_slice(&quants(Format::Q6K, blk, k));
+            }
+            let base = u * GROUP_BYTES;
+            for p in 0..4 {
+                for v in 0..8 {
+                    for j in 0..4 {
+                        let (a, b) = (q[64 * p + 4 * v + j], q[64 * p + 32 + 4 * v + j]);
+                        out.quants[base + (8 * p + v) * 32 + 4 * l + j] = (a & 15) | (b & 15) << 4;
+                    }
+                }
+                for h in 0..4 {
+                    for j in 0..4 {
+                        let at = 64 * p + 8 * h + j;
+                        let bits = [q[at], q[at + 32], q[at + 4], q[at + 36]];
+                        let byte = (0..4).fold(0u8, |acc, k| acc | (bits[k] >> 4) << (2 * k));
+                        out.quants[base + 1024 + (4 * p + h) * 32 + 4 * l + j] = byte;
+                    }
+                }
+                for k in 0..4 {
+                    out.quants[base + 1536 + 32 * p + 4 * l + k] = blk[192 + 4 * p + k];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// ggml's 210 bytes of superblock `c` of row `r` of a packed Q6_K weight.
+pub(in crate::model::linear::quant) fn ggml_block(w: &QWeight, r: usize, c: usize) -> [u8; GGML] {
+    let (u, l) = place(w, r, c);
+    let base = u * GROUP_BYTES;
+    let mut q = [0u8; QK_K];
+    let mut blk = [0u8; GGML];
+    for p in 0..4 {
+        for v in 0..8 {
+            for j in 0..4 {
+                let byte = w.quants[base + (8 * p + v) * 32 + 4 * l + j];
+                q[64 * p + 4 * v + j] = byte & 15;
+                q[64 * p + 32 + 4 * v + j] = byte >> 4;
+            }
+        }
+        for h in 0..4 {
+            for j in 0..4 {
+                let byte = w.quants[base + 1024 + (4 * p + h) * 32 + 4 * l + j];
+                let at = 64 * p + 8 * h + j;
+                for (k, to) in [at, at + 32, at + 4, at + 36].into_iter().enumerate() {
+                    q[to] |= (byte >> (2 * k) & 3) << 4;
+                }
+            }
+        }
+        for k in 0..4 {
+            blk[192 + 4 * p + k] = w.quants[base + 1536 + 32 * p + 4 * l + k];
+        }
+    }
+    // ggml's `ql`/`qh` (`dequantize_row_q6_K` read backwards).
+    for half in 0..2 {
+        for i in 0..32 {
+            let at = 128 * half + i;
+            let [q1, q2, q3, q4] = [q[at], q[at + 32], q[at + 64], q[at + 96]];
+            blk[64 * half + i] = (q1 & 15) | (q3 & 15) << 4;
+            blk[64 * half + i + 32] = (q2 & 15) | (q4 & 15) << 4;
+            blk[128 + 32 * half + i] = q1 >> 4 | (q2 >> 4) << 2 | (q3 >> 4) << 4 | (q4 >> 4) << 6;
+        }
+    }
+    blk[208..].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
+    blk
+}
+
+/// A packed Q6_K weight back in ggml's blocks.
+pub(super) fn unpack(w: &QWeight) -> QWeight {
+    let n = w.cols / QK_K;
+    let mut quants = Vec::with_capacity(w.rows * n * GGML);
+    for r in 0..w.rows {
+        for c in 0..n {
+            quants.extend_from_slice(&ggml_block(w, r, c));
+        }
+    }
+    QWeight {
+        quants,
+        ..w.clone_shape()
+    }
+}
+
+/// Whether the planes of a packed Q6_K weight hold its shape.
+pub(super) fn fits(w: &QWeight) -> bool {
+    let units = w.rows.div_ceil(ROWS) * (w.cols / QK_K);
+    w.scales.len() == units * ROWS
+        && w.mins.is_empty()
+        && w.quants.len() == units * GROUP_BYTES
+        && w.highs.is_empty()
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86;

@@ -1,0 +1,168 @@
+//! [`super`]'s kernel on AVX2: the packed kernel's tile (`packed/x86.rs`) for Q6_K.
+
+use super::super::super::kquant::QK_K;
+use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::x86::{bcast, half8, store};
+use super::super::ROWS;
+use super::GROUP_BYTES;
+use std::arch::x86_64::*;
+
+/// Byte masks for `_mm256_shuffle_epi8`: byte k of each 32-bit lane into the high byte of
+/// both its 16-bit halves (an arithmetic shift by 8 then sign-extends it).
+const TWICE: [[i8; 32]; 4] = [masks(0, 0), masks(1, 1), masks(2, 2), masks(3, 3)];
+
+/// Bytes k and k + 1 of each 32-bit lane into the high bytes of its two halves.
+const PAIRS: [[i8; 32]; 2] = [masks(0, 1), masks(2, 3)];
+
+/// The mask putting bytes `a` and `b` of each lane in the high bytes of its halves; the
+/// low bytes zero (index −128).
+const fn masks(a: i8, b: i8) -> [i8; 32] {
+    let mut m = [-128i8; 32];
+    let mut t = 0;
+    while t < 8 {
+        let lane = 4 * (t % 4) as i8;
+        m[4 * t + 1] = lane + a;
+        m[4 * t + 3] = lane + b;
+        t += 1;
+    }
+    m
+}
+
+/// The packed kernel's tile for Q6_K: per pair of 32-weight chunks, two nibble loads and
+/// one load of high bits make the 6-bit quants of 4 weights of each chunk twice over (the
+/// high bits to bits 4-5 by one shift and a mask); `maddubs` against x, two loads' products
+/// summed in 16 bits (at most 2 · 2 · 63 · 127 = 32,004), then to 32 bits by `madd` with
+/// the 8 rows' scale of their 16 weights. q's offset of 32 is `32 · Σ sc · Σx` per 16
+/// weights, by `madd` of the rows' scale pairs against x's sums. Then `d · dx` once per
+/// superblock.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `w` is packed Q6_K and its planes fit its shape (`q6k::fits`); group
+/// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
+/// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
+/// touches meanwhile.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
+    let (low, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    // SAFETY: 32 bytes each.
+    let (each, both) = unsafe {
+        (
+            [0, 1, 2, 3].map(|k| _mm256_loadu_si256(TWICE[k].as_ptr() as *const __m256i)),
+            [0, 1].map(|k| _mm256_loadu_si256(PAIRS[k].as_ptr() as *const __m256i)),
+        )
+    };
+    let mut acc = [_mm256_setzero_ps(); R];
+    for c in 0..n {
+        let u = g * n + c;
+        // SAFETY (every weight load below): superblock u holds 8 scales from u · 8 and
+        // GROUP_BYTES of quants from u · GROUP_BYTES (`q6k::fits`); x's rows i0..i0 + R hold
+        // n superblocks.
+        let (d, base) = unsafe {
+            (
+                half8(w.scales.as_ptr().add(u * ROWS)),
+                w.quants.as_ptr().add(u * GROUP_BYTES),
+            )
+        };
+        let mut xs = [std::ptr::null::<u8>(); R];
+        for j in 0..R {
+            // SAFETY: superblock c of row i0 + j of x.
+            xs[j] = unsafe { x.quants.as_ptr().add((i0 + j) * w.cols + c * QK_K) as *const u8 };
+        }
+        let mut isum = [_mm256_setzero_si256(); R];
+        let mut osum = [_mm256_setzero_si256(); R];
+        for p in 0..4 {
+            // SAFETY: the pair's 32 bytes of scales.
+            let raw = unsafe { _mm256_loadu_si256(base.add(1536 + 32 * p) as *const __m256i) };
+            // The scales of the pair's four 16-weight sub-blocks, each in both halves of a
+            // lane, and as pairs (4p, 4p + 1), (4p + 2, 4p + 3).
+            let mut sc = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                sc[k] = _mm256_srai_epi16(_mm256_shuffle_epi8(raw, each[k]), 8);
+            }
+            let pairs = [
+                _mm256_srai_epi16(_mm256_shuffle_epi8(raw, both[0]), 8),
+                _mm256_srai_epi16(_mm256_shuffle_epi8(raw, both[1]), 8),
+            ];
+            for h in 0..4 {
+                // SAFETY: see above.
+                let (n0, n1, hb) = unsafe {
+                    (
+                        _mm256_loadu_si256(base.add((8 * p + 2 * h) * 32) as *const __m256i),
+                        _mm256_loadu_si256(base.add((8 * p + 2 * h + 1) * 32) as *const __m256i),
+                        _mm256_loadu_si256(base.add(1024 + (4 * p + h) * 32) as *const __m256i),
+                    )
+                };
+                let lo0 = _mm256_or_si256(
+                    _mm256_and_si256(n0, low),
+                    _mm256_and_si256(_mm256_slli_epi16(hb, 4), top),
+                );
+                let hi0 = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(n0, 4), low),
+                    _mm256_and_si256(_mm256_slli_epi16(hb, 2), top),
+                );
+                let lo1 = _mm256_or_si256(_mm256_and_si256(n1, low), _mm256_and_si256(hb, top));
+                let hi1 = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(n1, 4), low),
+                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), top),
+                );
+                // Weights 8h.. of the pair's first chunk are sub-block 4p + h / 2, of its
+                // second 4p + 2 + h / 2.
+                let (s_lo, s_hi) = (sc[h / 2], sc[2 + h / 2]);
+                for j in 0..R {
+                    let at = 64 * p + 8 * h;
+                    // SAFETY: 4 bytes at 64p + 8h (+ 4, + 32, + 36) < 256 of x's superblock.
+                    let (x0, x1, x2, x3) = unsafe {
+                        (
+                            bcast(xs[j].add(at)),
+                            bcast(xs[j].add(at + 4)),
+                            bcast(xs[j].add(at + 32)),
+                            bcast(xs[j].add(at + 36)),
+                        )
+                    };
+                    let t_lo = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo0, x0),
+                        _mm256_maddubs_epi16(lo1, x1),
+                    );
+                    let t_hi = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(hi0, x2),
+                        _mm256_maddubs_epi16(hi1, x3),
+                    );
+                    let sum = _mm256_add_epi32(
+                        _mm256_madd_epi16(t_lo, s_lo),
+                        _mm256_madd_epi16(t_hi, s_hi),
+                    );
+                    isum[j] = _mm256_add_epi32(isum[j], sum);
+                }
+            }
+            for j in 0..R {
+                // SAFETY: x's sums of its 16-value halves 16c + 4p .. + 4 of row i0 + j.
+                let (x01, x23) = unsafe {
+                    let s = x.isums16.as_ptr().add(2 * ((i0 + j) * nb + 8 * c) + 4 * p);
+                    (bcast(s as *const u8), bcast(s.add(2) as *const u8))
+                };
+                let o = _mm256_add_epi32(
+                    _mm256_madd_epi16(pairs[0], x01),
+                    _mm256_madd_epi16(pairs[1], x23),
+                );
+                osum[j] = _mm256_add_epi32(osum[j], o);
+            }
+        }
+        for j in 0..R {
+            // SAFETY: block 8c of row i0 + j of x: its superblock's scale.
+            let dx = unsafe { _mm256_broadcast_ss(x.scales.get_unchecked((i0 + j) * nb + 8 * c)) };
+            let q = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(osum[j], 5));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(d, dx), acc[j]);
+        }
+    }
+    // SAFETY: the caller's.
+    unsafe { store(&acc, g, w.rows, i0, y) };
+}
