@@ -254,8 +254,9 @@ impl QWeight {
         self.cols
     }
 
-    /// Bytes held: quants, scales and minimums (ggml's: 34 per Q8_0 block, 18 per Q4_0
-    /// block, 20 per Q4_1 block, and the file's own for the other formats).
+    /// Bytes held: quants, scales, minimums and fifth bits (ggml's: 34 per Q8_0 block, 18
+    /// per Q4_0 block, 20 per Q4_1 block, and the file's own for the other formats; packed,
+    /// the same but for Q4_K's 148 a superblock instead of 144, and rows padded to 8).
     pub fn bytes(&self) -> usize {
         self.quants.len() + 2 * (self.scales.len() + self.mins.len()) + 4 * self.highs.len()
     }

@@ -162,6 +162,15 @@ impl QWeight {
         }
     }
 
+    /// ggml's bytes of superblock `c` of row `r` of a packed K-quant weight.
+    pub(super) fn ggml_superblock(&self, r: usize, c: usize) -> Vec<u8> {
+        match self.format {
+            Format::Q4K => q4k::ggml_block(self, r, c).to_vec(),
+            Format::Q6K => q6k::ggml_block(self, r, c).to_vec(),
+            f => unreachable!("{f:?} has no packed superblocks"),
+        }
+    }
+
     /// Whether the blocks are in the packed layout.
     pub fn is_packed(&self) -> bool {
         self.packed

@@ -154,9 +154,23 @@ impl QWeight {
             return out;
         }
         let per_row = self.cols / BLOCK;
+        let chunks = QK_K / BLOCK;
         for r in 0..rows {
+            // A packed K-quant's superblock, rebuilt once for its 8 chunks.
+            let mut held: Option<(usize, Vec<u8>)> = None;
             for cb in 0..cols / BLOCK {
-                let values = self.values((r0 + r) * per_row + c0 / BLOCK + cb);
+                let b = c0 / BLOCK + cb;
+                let values = match self.packed && self.format.block_weights() == QK_K {
+                    true => {
+                        let sb = b / chunks;
+                        if held.as_ref().map(|h| h.0) != Some(sb) {
+                            held = Some((sb, self.ggml_superblock(r0 + r, sb)));
+                        }
+                        let blk = held.as_ref().map_or(&[][..], |h| &h.1[..]);
+                        super::kquant::values_of(self.format, blk, b % chunks)
+                    }
+                    false => self.values((r0 + r) * per_row + b),
+                };
                 for (j, v) in values.into_iter().enumerate() {
                     out[(cb * BLOCK + j) * rows + r] = v;
                 }
@@ -170,20 +184,10 @@ impl QWeight {
     /// integers instead); for the formats kept in ggml's blocks, the b-th 32 weights of the
     /// row-major matrix.
     pub(super) fn values(&self, b: usize) -> [f32; BLOCK] {
-        if self.packed && matches!(self.format, Format::Q4K | Format::Q6K) {
+        if self.packed && self.format.block_weights() == QK_K {
             let (per_row, chunks) = (self.cols / QK_K, QK_K / BLOCK);
-            let (r, sb) = (b / chunks / per_row, b / chunks % per_row);
-            let chunk = b % chunks;
-            return match self.format {
-                Format::Q4K => {
-                    let blk = super::packed::q4k::ggml_block(self, r, sb);
-                    super::kquant::values_of(self.format, &blk, chunk)
-                }
-                _ => {
-                    let blk = super::packed::q6k::ggml_block(self, r, sb);
-                    super::kquant::values_of(self.format, &blk, chunk)
-                }
-            };
+            let blk = self.ggml_superblock(b / chunks / per_row, b / chunks % per_row);
+            return super::kquant::values_of(self.format, &blk, b % chunks);
         }
         if !self.format.split() && !self.packed {
             return super::kquant::values(self, b);

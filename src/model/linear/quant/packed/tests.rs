@@ -141,6 +141,20 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
             Format::Q4K,
             [&one[..], &one[..], &[0xFF; 12], &[0xFF; 128]].concat(),
         ),
+        // Q4_K with scales and minimums of every size, sub-blocks 4-7's above 16 (their
+        // top bits in the first 8 bytes).
+        (
+            Format::Q4K,
+            [
+                &one[..],
+                &one[..],
+                &[
+                    0xC1, 0x7F, 0x02, 0xFF, 0x43, 0x80, 0x3F, 0xC5, 0xF1, 0x2E, 0x9B, 0x0C,
+                ],
+                &[0xFF; 128],
+            ]
+            .concat(),
+        ),
         // Q6_K: every q at 63 and every scale at -128 (ggml's d comes last).
         (
             Format::Q6K,
