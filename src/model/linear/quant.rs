@@ -143,7 +143,8 @@ pub struct QRows {
     sums16: Vec<f32>,
     /// `Σ q` per half block, in integers: the K-quant kernels' minimums.
     isums16: Vec<i16>,
-    /// `Σ q` per block, in integers: the packed Q4_K kernel's minimums.
+    /// `Σ q` per block, in integers: the packed Q4_K kernel's minimums (rounded per
+    /// superblock only; empty otherwise).
     isums32: Vec<i16>,
     quants: Vec<i8>,
 }
@@ -315,7 +316,7 @@ impl QWeight {
         if self.packed && crate::model::linear::simd::Isa::current().has_avx2() {
             return self.packed_product(x, y);
         }
-        if m >= 2 && tile::available() && !self.packed {
+        if m >= 2 && tile::available() {
             let rows =
                 (self.rows.div_ceil(pool.threads() * 4).max(1)).next_multiple_of(tile::tile_rows());
             // A block of x rows at a time, each through every weight row.

@@ -29,6 +29,7 @@ use crate::model::pool::Pool;
 use half::f16;
 pub(super) use parts::Parts;
 use parts::{spread, unspread};
+use superblocks::Superblocks;
 
 /// Rows per group: the lanes of an AVX2 vector of f32.
 pub(super) const ROWS: usize = 8;
@@ -88,19 +89,14 @@ impl QWeight {
         if packed == self.packed || !packs(self.format) {
             return self;
         }
-        match (self.format, packed) {
-            (Format::Q4K, true) => return q4k::pack(&self),
-            (Format::Q4K, false) => return q4k::unpack(&self),
-            (Format::Q6K, true) => return q6k::pack(&self),
-            (Format::Q6K, false) => return q6k::unpack(&self),
-            _ => {}
+        if let Some(k) = Superblocks::of(self.format) {
+            return match packed {
+                true => k.pack(&self),
+                false => k.unpack(&self),
+            };
         }
         let (nb, qb) = (self.cols / BLOCK, self.format.quant_bytes());
         let mut out = Self {
-            scales: Vec::new(),
-            mins: Vec::new(),
-            quants: Vec::new(),
-            highs: Vec::new(),
             packed,
             ..self.clone_shape()
         };
@@ -164,11 +160,8 @@ impl QWeight {
 
     /// ggml's bytes of superblock `c` of row `r` of a packed K-quant weight.
     pub(super) fn ggml_superblock(&self, r: usize, c: usize) -> Vec<u8> {
-        match self.format {
-            Format::Q4K => q4k::ggml_block(self, r, c).to_vec(),
-            Format::Q6K => q6k::ggml_block(self, r, c).to_vec(),
-            f => unreachable!("{f:?} has no packed superblocks"),
-        }
+        let k = Superblocks::of(self.format);
+        k.map_or_else(Vec::new, |k| k.ggml_block(self, r, c))
     }
 
     /// Whether the blocks are in the packed layout.
@@ -249,10 +242,8 @@ impl QWeight {
     /// Whether the planes of a packed weight hold its shape (what the kernel's unchecked
     /// loads rely on).
     pub(super) fn packed_fits(&self) -> bool {
-        match self.format {
-            Format::Q4K => return self.packed && q4k::fits(self),
-            Format::Q6K => return self.packed && q6k::fits(self),
-            _ => {}
+        if let Some(k) = Superblocks::of(self.format) {
+            return k.fits(self);
         }
         let blocks = self.stored_blocks();
         let expect = |yes: bool| if yes { blocks } else { 0 };
@@ -296,6 +287,7 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
 mod parts;
 pub(super) mod q4k;
 pub(super) mod q6k;
+mod superblocks;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86;
 

@@ -37,8 +37,12 @@ impl QRows {
             .chunks_exact(BLOCK / 2)
             .map(|q| sum(q) as i16)
             .collect();
-        // |Σ| <= 32 · 127: an i16 too.
-        let isums32 = isums16.chunks_exact(2).map(|h| h[0] + h[1]).collect();
+        // |Σ| <= 32 · 127: an i16 too. Only the packed Q4_K kernel reads them, and x is
+        // rounded per superblock only against a K-quant.
+        let isums32 = match span {
+            QK_K => isums16.chunks_exact(2).map(|h| h[0] + h[1]).collect(),
+            _ => Vec::new(),
+        };
         let sums16 = (isums16.iter().enumerate())
             .map(|(h, &s)| scales[h / 2] * s as f32)
             .collect();

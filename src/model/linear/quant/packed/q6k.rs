@@ -15,70 +15,55 @@
 
 use super::super::kquant::{quants, QK_K};
 use super::super::{Format, QWeight};
+use super::superblocks::Superblocks;
 use super::ROWS;
 use half::f16;
 
 /// Bytes of one group's superblock in `quants`.
 pub(super) const GROUP_BYTES: usize = ROWS * 208;
 
-/// ggml's bytes of one Q6_K superblock.
-const GGML: usize = 210;
+/// Q6_K's packed form.
+pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
+    ggml: 210,
+    group_bytes: GROUP_BYTES,
+    dmin: false,
+    put,
+    get,
+};
 
-/// Where superblock `c` of row `r` lies: its index among the groups' superblocks, its lane.
-fn place(w: &QWeight, r: usize, c: usize) -> (usize, usize) {
-    (r / ROWS * (w.cols / QK_K) + c, r % ROWS)
-}
-
-/// `w` (Q6_K in ggml's blocks) packed, its rows padded to a multiple of 8 with zeros.
-pub(super) fn pack(w: &QWeight) -> QWeight {
-    let n = w.cols / QK_K;
-    let units = w.rows.div_ceil(ROWS) * n;
-    let mut out = QWeight {
-        scales: vec![f16::ZERO; units * ROWS],
-        quants: vec![0; units * GROUP_BYTES],
-        packed: true,
-        ..w.clone_shape()
-    };
-    for r in 0..w.rows {
-        for c in 0..n {
-            let blk = &w.quants[(r * n + c) * GGML..][..GGML];
-            let (u, l) = place(w, r, c);
-            out.scales[u * ROWS + l] = f16::from_le_bytes([blk[208], blk[209]]);
-            let mut q = [0u8; QK_K];
-            for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
-                chunk.copy_from_slice(&quants(Format::Q6K, blk, k));
-            }
-            let base = u * GROUP_BYTES;
-            for p in 0..4 {
-                for v in 0..8 {
-                    for j in 0..4 {
-                        let (a, b) = (q[64 * p + 4 * v + j], q[64 * p + 32 + 4 * v + j]);
-                        out.quants[base + (8 * p + v) * 32 + 4 * l + j] = (a & 15) | (b & 15) << 4;
-                    }
-                }
-                for h in 0..4 {
-                    for j in 0..4 {
-                        let at = 64 * p + 8 * h + j;
-                        let bits = [q[at], q[at + 32], q[at + 4], q[at + 36]];
-                        let byte = (0..4).fold(0u8, |acc, k| acc | (bits[k] >> 4) << (2 * k));
-                        out.quants[base + 1024 + (4 * p + h) * 32 + 4 * l + j] = byte;
-                    }
-                }
-                for k in 0..4 {
-                    out.quants[base + 1536 + 32 * p + 4 * l + k] = blk[192 + 4 * p + k];
-                }
+/// ggml's superblock `blk` as lane `l` of unit `u`.
+fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
+    out.scales[u * ROWS + l] = f16::from_le_bytes([blk[208], blk[209]]);
+    let mut q = [0u8; QK_K];
+    for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
+        chunk.copy_from_slice(&quants(Format::Q6K, blk, k));
+    }
+    let base = u * GROUP_BYTES;
+    for p in 0..4 {
+        for v in 0..8 {
+            for j in 0..4 {
+                let (a, b) = (q[64 * p + 4 * v + j], q[64 * p + 32 + 4 * v + j]);
+                out.quants[base + (8 * p + v) * 32 + 4 * l + j] = (a & 15) | (b & 15) << 4;
             }
         }
+        for h in 0..4 {
+            for j in 0..4 {
+                let at = 64 * p + 8 * h + j;
+                let bits = [q[at], q[at + 32], q[at + 4], q[at + 36]];
+                let byte = (0..4).fold(0u8, |acc, k| acc | (bits[k] >> 4) << (2 * k));
+                out.quants[base + 1024 + (4 * p + h) * 32 + 4 * l + j] = byte;
+            }
+        }
+        for k in 0..4 {
+            out.quants[base + 1536 + 32 * p + 4 * l + k] = blk[192 + 4 * p + k];
+        }
     }
-    out
 }
 
-/// ggml's 210 bytes of superblock `c` of row `r` of a packed Q6_K weight.
-pub(in crate::model::linear::quant) fn ggml_block(w: &QWeight, r: usize, c: usize) -> [u8; GGML] {
-    let (u, l) = place(w, r, c);
+/// ggml's 210 bytes of lane `l` of unit `u`, into `blk`.
+fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
     let base = u * GROUP_BYTES;
     let mut q = [0u8; QK_K];
-    let mut blk = [0u8; GGML];
     for p in 0..4 {
         for v in 0..8 {
             for j in 0..4 {
@@ -111,31 +96,6 @@ pub(in crate::model::linear::quant) fn ggml_block(w: &QWeight, r: usize, c: usiz
         }
     }
     blk[208..].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
-    blk
-}
-
-/// A packed Q6_K weight back in ggml's blocks.
-pub(super) fn unpack(w: &QWeight) -> QWeight {
-    let n = w.cols / QK_K;
-    let mut quants = Vec::with_capacity(w.rows * n * GGML);
-    for r in 0..w.rows {
-        for c in 0..n {
-            quants.extend_from_slice(&ggml_block(w, r, c));
-        }
-    }
-    QWeight {
-        quants,
-        ..w.clone_shape()
-    }
-}
-
-/// Whether the planes of a packed Q6_K weight hold its shape.
-pub(super) fn fits(w: &QWeight) -> bool {
-    let units = w.rows.div_ceil(ROWS) * (w.cols / QK_K);
-    w.scales.len() == units * ROWS
-        && w.mins.is_empty()
-        && w.quants.len() == units * GROUP_BYTES
-        && w.highs.is_empty()
 }
 
 #[cfg(target_arch = "x86_64")]

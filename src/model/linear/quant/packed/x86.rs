@@ -134,11 +134,7 @@ unsafe fn tile<const F: u8, const R: usize>(
         };
         // SAFETY: see above.
         let p = unsafe { quants.add(c * ROWS * qb) };
-        let mut xs = [std::ptr::null::<u8>(); R];
-        for j in 0..R {
-            // SAFETY: block c of row i0 + j of x.
-            xs[j] = unsafe { x.quants.as_ptr().add((i0 + j) * w.cols + c * BLOCK) as *const u8 };
-        }
+        let xs = x_rows::<R>(x, i0, c * BLOCK);
         let mut sums = [_mm256_setzero_si256(); R];
         if F == Q8_0 {
             for v in 0..BLOCK / 4 {
@@ -242,6 +238,13 @@ pub(super) unsafe fn store<const R: usize>(
             }
         }
     }
+}
+
+/// Where rows `i0..i0 + R` of x are at column `at` (the tile reads them from there on).
+pub(super) fn x_rows<const R: usize>(x: &QRows, i0: usize, at: usize) -> [*const u8; R] {
+    // Addresses only (wrapping: nothing is read here); the tiles' loads stay within the rows
+    // their callers vouch for.
+    std::array::from_fn(|j| x.quants.as_ptr().wrapping_add((i0 + j) * x.cols + at) as *const u8)
 }
 
 /// 4 bytes at `p`, in every 32-bit lane. Functions, not closures: a closure is compiled

@@ -2,7 +2,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::x86::{bcast, half8, store};
+use super::super::x86::{bcast, half8, store, x_rows};
 use super::super::ROWS;
 use super::GROUP_BYTES;
 use std::arch::x86_64::*;
@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 /// against a K-quant).
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `w` is packed Q4_K and its planes fit its shape (`q4k::fits`); group
+/// AVX2, FMA and F16C; `w` is packed Q4_K and its planes fit its shape (`Superblocks::fits`); group
 /// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
@@ -31,6 +31,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
     y: *mut f32,
 ) {
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
+    debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
     let low = _mm256_set1_epi8(0x0F);
     // Per 32-bit lane, its first (second) 16-bit value twice.
     let (first, second) = (
@@ -47,7 +48,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
     for c in 0..n {
         let u = g * n + c;
         // SAFETY (every weight load below): superblock u holds 8 scales and minimums from
-        // u · 8 and GROUP_BYTES of quants from u · GROUP_BYTES (`q4k::fits`); x's rows
+        // u · 8 and GROUP_BYTES of quants from u · GROUP_BYTES (`Superblocks::fits`); x's rows
         // i0..i0 + R hold n superblocks.
         let (d, dmin, base) = unsafe {
             (
@@ -56,11 +57,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
                 w.quants.as_ptr().add(u * GROUP_BYTES),
             )
         };
-        let mut xs = [std::ptr::null::<u8>(); R];
-        for j in 0..R {
-            // SAFETY: superblock c of row i0 + j of x.
-            xs[j] = unsafe { x.quants.as_ptr().add((i0 + j) * w.cols + c * QK_K) as *const u8 };
-        }
+        let xs = x_rows::<R>(x, i0, c * QK_K);
         let mut isum = [_mm256_setzero_si256(); R];
         let mut msum = [_mm256_setzero_si256(); R];
         for p in 0..4 {

@@ -2,7 +2,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::x86::{bcast, half8, store};
+use super::super::x86::{bcast, half8, store, x_rows};
 use super::super::ROWS;
 use super::GROUP_BYTES;
 use std::arch::x86_64::*;
@@ -37,7 +37,7 @@ const fn masks(a: i8, b: i8) -> [i8; 32] {
 /// superblock.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `w` is packed Q6_K and its planes fit its shape (`q6k::fits`); group
+/// AVX2, FMA and F16C; `w` is packed Q6_K and its planes fit its shape (`Superblocks::fits`); group
 /// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
@@ -64,7 +64,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
     for c in 0..n {
         let u = g * n + c;
         // SAFETY (every weight load below): superblock u holds 8 scales from u · 8 and
-        // GROUP_BYTES of quants from u · GROUP_BYTES (`q6k::fits`); x's rows i0..i0 + R hold
+        // GROUP_BYTES of quants from u · GROUP_BYTES (`Superblocks::fits`); x's rows i0..i0 + R hold
         // n superblocks.
         let (d, base) = unsafe {
             (
@@ -72,11 +72,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
                 w.quants.as_ptr().add(u * GROUP_BYTES),
             )
         };
-        let mut xs = [std::ptr::null::<u8>(); R];
-        for j in 0..R {
-            // SAFETY: superblock c of row i0 + j of x.
-            xs[j] = unsafe { x.quants.as_ptr().add((i0 + j) * w.cols + c * QK_K) as *const u8 };
-        }
+        let xs = x_rows::<R>(x, i0, c * QK_K);
         let mut isum = [_mm256_setzero_si256(); R];
         let mut osum = [_mm256_setzero_si256(); R];
         for p in 0..4 {
