@@ -115,7 +115,10 @@ fn quantized_products_agree_on_cpu_and_cuda_at_model_shapes() {
                 let got = gpu_l.forward(&x.to_device(&gpu).unwrap()).unwrap();
                 let err = relative_error(&got, &cpu);
                 eprintln!("{n}x{k} {q:?}, {rows} rows: relative error {err:.2e}");
-                if err.is_nan() || err >= 0.02 {
+                // Both sides round x to 8 bits a block, each its own way (CUDA's decode
+                // kernels to Q8_1, ours to Q8_0): with Q4_0 weights that alone differs by
+                // 1-2.3% at up to 8 x rows (H200, 2026-11-26); a wrong block is ~100%.
+                if err.is_nan() || err >= 0.03 {
                     off.push(format!("{n}x{k} {q:?} {rows} rows: {err}"));
                 }
             }

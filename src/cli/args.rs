@@ -308,6 +308,9 @@ pub struct ConvertArgs {
     /// auto (each tensor in the checkpoint's dtype), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Where calibration and --heal run: cpu, or cuda in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// The directory to write (must not exist, or be empty).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,

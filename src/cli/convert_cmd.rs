@@ -22,11 +22,17 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
         }
     };
     let req = request(&a.attention, &a.calibration, &a.heal)?;
+    let device = loader::parse_device(&a.device)?;
     let source = loader::open(&a.model)?;
     let bar = progress_bar();
-    let written = convert::write(&source, &req, dtype, &a.out, |stage, done, total| {
-        show_progress(&bar, stage, done, total)
-    })?;
+    let written = convert::write(
+        &source,
+        &req,
+        dtype,
+        &a.out,
+        &device,
+        |stage, done, total| show_progress(&bar, stage, done, total),
+    )?;
     bar.finish_and_clear();
     let r = &written.report;
     if a.json {
@@ -38,6 +44,8 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
             "conversion_method": conversion_method(r),
             "conversion_secs": r.secs,
             "calibration_tokens": r.calibration_tokens,
+            "calibration_text_secs": r.text_secs,
+            "calibration_secs": r.calibration_secs,
             "tensors": written.tensors,
             "tensor_bytes": written.bytes,
             "files": written.files,

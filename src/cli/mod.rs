@@ -126,6 +126,8 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         info["original_num_key_value_heads"] = json!(r.plan.from_kv_heads);
         info["conversion_secs"] = json!(r.secs);
         info["calibration_tokens"] = json!(r.calibration_tokens);
+        info["calibration_text_secs"] = json!(r.text_secs);
+        info["calibration_secs"] = json!(r.calibration_secs);
     }
     if let (Some(map), serde_json::Value::Object(more)) =
         (info.as_object_mut(), attention_fields(cfg))

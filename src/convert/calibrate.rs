@@ -5,14 +5,15 @@
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{Transformer, PREFILL_CHUNK};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 /// Windows longer than this restart the cache: calibration wants many inputs, not long
 /// contexts, and attention over a long window costs more than the products.
 const WINDOW: usize = 2048;
 
 /// E[x̃ x̃ᵀ] per layer over the calibration tokens, x̃ the attention input with a constant 1
-/// appended (so biases fit like weights): (C + 1, C + 1) in f64.
+/// appended (so biases fit like weights): (C + 1, C + 1) in f64, on the CPU where the fits
+/// read them.
 pub struct Moments {
     pub per_layer: Vec<Tensor>,
     pub tokens: usize,
@@ -60,7 +61,10 @@ pub fn measure(
     let n = ids.len() as f64;
     let per_layer = sums
         .into_iter()
-        .map(|s| Ok((s.ok_or_else(|| Error::Invalid("no layer saw the text".into()))? / n)?))
+        .map(|s| {
+            let s = s.ok_or_else(|| Error::Invalid("no layer saw the text".into()))?;
+            Ok((s / n)?.to_device(&Device::Cpu)?)
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(Moments {
         per_layer,

@@ -58,6 +58,12 @@ pub struct Report {
     pub secs: f64,
     /// Tokens of calibration text read (0 when the method needs none).
     pub calibration_tokens: usize,
+    /// Seconds spent getting the calibration text's tokens: the original writing its own,
+    /// or tokenizing the one given.
+    pub text_secs: f64,
+    /// Seconds of the original's forwards over the calibration text (moments, the layers'
+    /// inputs, its next-token distribution).
+    pub calibration_secs: f64,
     pub heal: Option<HealReport>,
 }
 
@@ -103,6 +109,8 @@ pub struct Conversion {
     plan: Plan,
     replaced: HashMap<String, Tensor>,
     calibration_tokens: usize,
+    text_secs: f64,
+    calibration_secs: f64,
     heal: Option<HealReport>,
     start: Instant,
 }
@@ -110,11 +118,13 @@ pub struct Conversion {
 impl Conversion {
     /// Plans `req` for `source` (whose files `stored` holds), runs the original model over
     /// the calibration text when the fit or healing needs it, and converts (and heals)
-    /// every layer's attention.
+    /// every layer's attention. The original's forwards and the healing run on `device`;
+    /// the fits' linear algebra on the CPU.
     pub fn prepare(
         source: &Source,
         stored: &Stored,
         req: &Request,
+        device: &Device,
         mut progress: impl FnMut(Stage, usize, usize),
     ) -> Result<Self> {
         let start = Instant::now();
@@ -125,19 +135,25 @@ impl Conversion {
         let healing = req.heal.filter(|_| !plan.is_exact());
         let mut calibration = Calibration::default();
         if aware || healing.is_some() {
-            calibration = calibrate(source, req, aware, healing, &mut progress)?;
+            calibration = calibrate(source, req, aware, healing, device, &mut progress)?;
         }
         let mut healer = match (healing, &calibration.windows) {
             (Some(h), Some(windows)) => {
                 let whole = match &calibration.targets {
                     Some(targets) if h.steps > 0 => Some(heal::EndToEnd {
-                        frozen: heal::Frozen::load(&*stored.backend, cfg)?,
+                        frozen: heal::Frozen::load(&*stored.backend, cfg, device)?,
                         targets,
                         steps: h.steps,
                     }),
                     _ => None,
                 };
-                Some(heal::Healer::new(cfg, windows, h.layer_steps, whole)?)
+                Some(heal::Healer::new(
+                    cfg,
+                    windows,
+                    h.layer_steps,
+                    whole,
+                    device,
+                )?)
             }
             _ => None,
         };
@@ -154,6 +170,8 @@ impl Conversion {
             plan,
             replaced,
             calibration_tokens: calibration.tokens,
+            text_secs: calibration.text_secs,
+            calibration_secs: calibration.secs,
             heal: healer.map(heal::Healer::report),
             start,
         })
@@ -193,13 +211,15 @@ impl Conversion {
             plan: self.plan,
             secs: self.start.elapsed().as_secs_f64(),
             calibration_tokens: self.calibration_tokens,
+            text_secs: self.text_secs,
+            calibration_secs: self.calibration_secs,
             heal: self.heal.clone(),
         }
     }
 }
 
-/// Loads `source` with its attention converted as `req` asks, at `dtype` on `device`.
-/// `progress(stage, done, total)` follows calibration and healing.
+/// Loads `source` with its attention converted as `req` asks, at `dtype` on `device`
+/// (where calibration and healing run too). `progress(stage, done, total)` follows them.
 pub fn load(
     source: &Source,
     dtype: DTypeArg,
@@ -208,7 +228,7 @@ pub fn load(
     progress: impl FnMut(Stage, usize, usize),
 ) -> Result<(Loaded, Report)> {
     let stored = source.stored()?;
-    let conversion = Conversion::prepare(source, &stored, req, progress)?;
+    let conversion = Conversion::prepare(source, &stored, req, device, progress)?;
     let rewrite = |cfg: &ModelConfig, backend| conversion.rewrite(cfg, backend);
     let loaded = source.load_with(dtype, device, Some(&rewrite))?;
     Ok((loaded, conversion.report()))
@@ -256,23 +276,28 @@ struct Calibration {
     /// The original's next-token distribution, for end-to-end healing.
     targets: Option<heal::Targets>,
     tokens: usize,
+    /// Seconds spent writing the text, and running the original over it.
+    text_secs: f64,
+    secs: f64,
 }
 
-/// The original model in f32 over the calibration text: each layer's input moments (for
-/// `aware`) and input windows (for `--heal`).
+/// The original model in f32 on `device` over the calibration text: each layer's input
+/// moments (for `aware`) and input windows (for `--heal`).
 fn calibrate(
     source: &Source,
     req: &Request,
     moments: bool,
     heal: Option<heal::Heal>,
+    device: &Device,
     progress: &mut impl FnMut(Stage, usize, usize),
 ) -> Result<Calibration> {
-    let original = source.load(DTypeArg::Fixed(DType::F32), &Device::Cpu)?;
+    let original = source.load(DTypeArg::Fixed(DType::F32), device)?;
     let tokenizer = original.tokenizer.as_ref().ok_or_else(|| {
         Error::Invalid(
             "--attention: method=aware and --heal need the model's tokenizer.json".into(),
         )
     })?;
+    let start = Instant::now();
     let ids = match (&req.calibration, heal) {
         (Some(text), _) => tokenizer.encode(text)?,
         // Training end to end wants far more text than ships: the original writes it.
@@ -281,8 +306,10 @@ fn calibrate(
         })?,
         (None, _) => tokenizer.encode(DEFAULT_CALIBRATION)?,
     };
+    let text_secs = start.elapsed().as_secs_f64();
     let mut out = Calibration {
         tokens: ids.len(),
+        text_secs,
         ..Default::default()
     };
     if moments {
@@ -304,5 +331,6 @@ fn calibrate(
             out.targets = Some(t);
         }
     }
+    out.secs = start.elapsed().as_secs_f64() - text_secs;
     Ok(out)
 }

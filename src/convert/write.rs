@@ -45,19 +45,21 @@ pub struct Written {
 }
 
 /// Converts `source` as `req` asks and writes it to `out`, every tensor in its checkpoint
-/// dtype (`dtype`: all in that one instead). `out` must not exist or be empty.
+/// dtype (`dtype`: all in that one instead), calibrating and healing on `device`. `out` must
+/// not exist or be empty.
 pub fn write(
     source: &Source,
     req: &Request,
     dtype: Option<DType>,
     out: &Path,
+    device: &Device,
     mut progress: impl FnMut(Stage, usize, usize),
 ) -> Result<Written> {
     check_out(out)?;
     // Before anything slow: a GGUF file or a broken checkpoint is refused here.
     let stored = source.stored()?;
     let partial = Partial::create(out)?;
-    let conversion = Conversion::prepare(source, &stored, req, &mut progress)?;
+    let conversion = Conversion::prepare(source, &stored, req, device, &mut progress)?;
     let (cfg, backend) = conversion.rewrite(&stored.cfg, stored.backend)?;
     let mut tensors = Vec::with_capacity(stored.tensors.len());
     let mut bytes = 0;

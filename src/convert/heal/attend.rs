@@ -61,12 +61,12 @@ impl Form {
         }
     }
 
-    /// The same form with every tensor in `dtype`.
-    pub(super) fn to_dtype(&self, dtype: DType) -> Result<Self> {
+    /// The same form with every tensor in `dtype` on `device`.
+    pub(super) fn to(&self, dtype: DType, device: &Device) -> Result<Self> {
         let ts = self
             .tensors()
             .into_iter()
-            .map(|t| t.to_dtype(dtype))
+            .map(|t| t.to_dtype(dtype)?.to_device(device))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(self.with(&ts))
     }

@@ -65,18 +65,22 @@ impl Targets {
             let logits = model
                 .forward(&input, &mut cache)?
                 .squeeze(0)?
+                .to_dtype(DType::F32)?
                 .to_device(&Device::Cpu)?;
-            let probs = candle_nn::ops::softmax_last_dim(&logits)?;
-            // The K largest by sorting each row: (T, V) once per window, cheap beside the
-            // forward.
-            let order = probs
-                .arg_sort_last_dim(false)?
-                .narrow(1, 0, TOP_K)?
-                .contiguous()?;
-            let p = probs.gather(&order, 1)?;
-            let p = p.broadcast_div(&p.sum_keepdim(1)?)?;
+            let (t, v) = logits.dims2()?;
+            let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+            let k = TOP_K.min(v);
+            let (mut top, mut p) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
+            for row in logits.chunks_exact(v) {
+                let (ids, probs) = top_k(row, k);
+                top.extend(ids);
+                p.extend(probs);
+            }
             out.ids.push(Tensor::new(window, &Device::Cpu)?);
-            out.top.push((order, p));
+            out.top.push((
+                Tensor::from_vec(top, (t, k), &Device::Cpu)?,
+                Tensor::from_vec(p, (t, k), &Device::Cpu)?,
+            ));
             progress(w + 1, n);
         }
         Ok(out)
@@ -91,17 +95,37 @@ impl Targets {
         self.ids.len() * WINDOW
     }
 
-    /// Windows `picks` stacked: ids (B, T), top tokens and probabilities (B·T, K).
-    fn batch(&self, picks: &[usize]) -> Result<(Tensor, Tensor, Tensor)> {
+    /// Windows `picks` stacked on `device`: ids (B, T), top tokens and probabilities (B·T, K).
+    fn batch(&self, picks: &[usize], device: &Device) -> Result<(Tensor, Tensor, Tensor)> {
         let ids: Vec<&Tensor> = picks.iter().map(|&i| &self.ids[i]).collect();
         let top: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].0).collect();
         let p: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].1).collect();
         Ok((
-            Tensor::stack(&ids, 0)?,
-            Tensor::cat(&top, 0)?,
-            Tensor::cat(&p, 0)?,
+            Tensor::stack(&ids, 0)?.to_device(device)?,
+            Tensor::cat(&top, 0)?.to_device(device)?,
+            Tensor::cat(&p, 0)?.to_device(device)?,
         ))
     }
+}
+
+/// The `k` largest of `logits` (most likely first; selected, not sorted whole: a
+/// vocabulary of 50k a position) and their probabilities renormalised among themselves,
+/// which is their softmax over the `k` alone.
+fn top_k(logits: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, by_logit);
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(by_logit);
+    let max = logits[ids[0] as usize];
+    let e: Vec<f32> = ids
+        .iter()
+        .map(|&i| (logits[i as usize] - max).exp())
+        .collect();
+    let sum: f32 = e.iter().sum();
+    (ids, e.into_iter().map(|x| x / sum).collect())
 }
 
 /// Everything of the model but the converted attention, in f32, frozen.
@@ -122,14 +146,13 @@ struct FrozenLayer {
 }
 
 impl Frozen {
-    /// Reads the frozen tensors of a Llama-family checkpoint with dense MLPs.
-    pub fn load(backend: &dyn SimpleBackend, cfg: &ModelConfig) -> Result<Self> {
+    /// Reads the frozen tensors of a Llama-family checkpoint with dense MLPs onto `device`.
+    pub fn load(backend: &dyn SimpleBackend, cfg: &ModelConfig, device: &Device) -> Result<Self> {
         let AttentionConfig::Gqa { o_bias, .. } = cfg.attention else {
             return Err(Error::Invalid("--heal: not a GQA-family model".into()));
         };
-        let get = |name: &str| -> Result<Tensor> {
-            Ok(backend.get_unchecked(name, DType::F32, &Device::Cpu)?)
-        };
+        let get =
+            |name: &str| -> Result<Tensor> { Ok(backend.get_unchecked(name, DType::F32, device)?) };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (l, mlp) in cfg.mlp.iter().enumerate() {
             let MlpConfig::Dense { bias, .. } = mlp else {
@@ -193,7 +216,7 @@ impl Frozen {
             .embed
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, c))?;
-        let ones = Tensor::ones((b, t, 1), DType::F32, &Device::Cpu)?;
+        let ones = Tensor::ones((b, t, 1), DType::F32, x.device())?;
         let linear = |x: &Tensor, (w, bias): &(Tensor, Option<Tensor>)| -> Result<Tensor> {
             let y = x.broadcast_matmul(&w.t()?)?;
             Ok(match bias {
@@ -243,7 +266,7 @@ impl Frozen {
     ) -> Result<f64> {
         let mut sum = 0.0;
         for chunk in picks.chunks(BATCH) {
-            let l = self.loss(forms, &targets.batch(chunk)?, geo, mask)?;
+            let l = self.loss(forms, &targets.batch(chunk, &geo.device)?, geo, mask)?;
             sum += l.to_scalar::<f32>()? as f64 * chunk.len() as f64;
         }
         Ok(sum / picks.len() as f64)
@@ -261,9 +284,9 @@ pub struct Distilled {
     pub after: f64,
 }
 
-/// Trains every layer's `forms` (f64, as the layer-wise fit leaves them) together towards
-/// `targets` for `steps` steps; `progress(done, steps)` after each. Returns the forms the
-/// held-out windows liked best, in f64.
+/// Trains every layer's `forms` (f64 on the CPU, as the layer-wise fit leaves them) together
+/// towards `targets` for `steps` steps, on `geo`'s device; `progress(done, steps)` after
+/// each. Returns the forms the held-out windows liked best, in f64 on the CPU.
 pub fn distil(
     frozen: &Frozen,
     forms: Vec<Form>,
@@ -282,10 +305,10 @@ pub fn distil(
     }
     let held = (n / HELD_OUT).clamp(1, HELD_OUT_MAX);
     let (fit, check): (Vec<usize>, Vec<usize>) = ((0..n - held).collect(), (n - held..n).collect());
-    let mask = mask(WINDOW, &Device::Cpu)?;
+    let mask = mask(WINDOW, &geo.device)?;
     let f32_forms = forms
         .iter()
-        .map(|f| f.to_dtype(DType::F32))
+        .map(|f| f.to(DType::F32, &geo.device))
         .collect::<Result<Vec<_>>>()?;
     let vars: Vec<Vec<Var>> = f32_forms
         .iter()
@@ -320,7 +343,12 @@ pub fn distil(
         let picks: Vec<usize> = (0..BATCH.min(fit.len()))
             .map(|i| fit[(step * BATCH + i) % fit.len()])
             .collect();
-        let loss = frozen.loss(&current(false), &targets.batch(&picks)?, geo, &mask)?;
+        let loss = frozen.loss(
+            &current(false),
+            &targets.batch(&picks, &geo.device)?,
+            geo,
+            &mask,
+        )?;
         opt.backward_step(&loss)?;
         if (step + 1) % CHECK_EVERY == 0 || step + 1 == steps {
             let now = current(true);
@@ -334,7 +362,7 @@ pub fn distil(
     let healed = best
         .1
         .iter()
-        .map(|f| f.to_dtype(DType::F64))
+        .map(|f| f.to(DType::F64, &Device::Cpu))
         .collect::<Result<Vec<_>>>()?;
     let report = Distilled {
         steps,
@@ -344,4 +372,31 @@ pub fn distil(
         after: best.0,
     };
     Ok((healed, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    #[test]
+    fn top_k_selects_the_largest_and_renormalises_their_softmax() {
+        // A scrambled vocabulary of 1000: logit i/100 at a position that varies.
+        let v = 1000;
+        let logits: Vec<f32> = (0..v).map(|i| ((i * 617) % v) as f32 / 100.0).collect();
+        let (ids, p) = top_k(&logits, 5);
+        let want: Vec<u32> = (0..5).map(|r| ((v - 1 - r) * 953 % v) as u32).collect();
+        // 617 · 953 ≡ 1 (mod 1000): token (j·953) mod 1000 has logit j/100.
+        assert_eq!(ids, want);
+        let z: f32 = (0..5).map(|r| (-(r as f32) / 100.0).exp()).sum();
+        for (r, &q) in p.iter().enumerate() {
+            assert!(
+                (q - (-(r as f32) / 100.0).exp() / z).abs() < 1e-6,
+                "{r}: {q}"
+            );
+        }
+        assert_eq!(
+            top_k(&[1.0, 3.0], 64),
+            (vec![1, 0], top_k(&[1.0, 3.0], 2).1)
+        );
+    }
 }

@@ -57,12 +57,14 @@ pub struct Fit {
     pub after: f64,
 }
 
-/// The heads' shape and the windows' rotation, shared by every layer.
+/// The heads' shape and the windows' rotation, shared by every layer, and where the fits
+/// run.
 pub struct Geometry {
     pub num_heads: usize,
     pub head_dim: usize,
     /// RoPE at positions 0..[`WINDOW`], f32.
     pub rotation: Rotation,
+    pub device: Device,
 }
 
 /// What `--heal` does: optimiser steps per layer in the layer-wise fit, then steps of the
@@ -98,11 +100,13 @@ pub struct Healer<'a> {
 }
 
 impl<'a> Healer<'a> {
+    /// The fits run on `device`, where `windows` (and `whole`'s frozen tensors) are.
     pub fn new(
         cfg: &ModelConfig,
         windows: &'a [Tensor],
         steps: usize,
         whole: Option<EndToEnd<'a>>,
+        device: &Device,
     ) -> Result<Self> {
         let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
             return Err(Error::Invalid("--heal: not a GQA-family model".into()));
@@ -111,7 +115,8 @@ impl<'a> Healer<'a> {
         let geo = Geometry {
             num_heads: cfg.num_attention_heads,
             head_dim,
-            rotation: Rope::new(&cfg.rope, DType::F32, &Device::Cpu)?.at_positions(&positions)?,
+            rotation: Rope::new(&cfg.rope, DType::F32, device)?.at_positions(&positions)?,
+            device: device.clone(),
         };
         Ok(Self {
             geo,
@@ -140,7 +145,8 @@ impl<'a> Healer<'a> {
         Ok(forms)
     }
 
-    /// Layer `layer`'s converted attention `form`, healed towards `original`.
+    /// Layer `layer`'s converted attention `form`, healed towards `original` (both in f64
+    /// on the CPU, as the conversions leave them; so is the result).
     pub fn layer(&mut self, layer: usize, form: &Form, original: &Projections) -> Result<Form> {
         let inputs = self.windows.get(layer).ok_or_else(|| {
             Error::Invalid(format!("--heal: no calibration windows for layer {layer}"))
@@ -190,12 +196,12 @@ pub fn heal(
         v: original.v.clone(),
         o: original.o.clone(),
     })
-    .to_dtype(DType::F32)?;
-    let mask = mask(inputs.dim(1)?, inputs.device())?;
+    .to(DType::F32, &geo.device)?;
+    let mask = mask(inputs.dim(1)?, &geo.device)?;
     let targets = in_batches(inputs, |x| output(&reference, x, geo, &mask))?;
     let fit_set = Set::new(inputs, &targets, 0, n - held)?;
     let check = Set::new(inputs, &targets, n - held, held)?;
-    let start = form.to_dtype(DType::F32)?;
+    let start = form.to(DType::F32, &geo.device)?;
     let before = check.error(&start, geo, &mask)?;
     // 1. The output projection by least squares, 2. AdamW on everything, 3. 1 again.
     let mut fitted = refit_o(&start, &fit_set, &check, geo, &mask)?;
@@ -240,7 +246,7 @@ pub fn heal(
         true => (fitted, after),
         false => (start, before),
     };
-    Ok((kept.to_dtype(DType::F64)?, Fit { before, after }))
+    Ok((kept.to(DType::F64, &Device::Cpu)?, Fit { before, after }))
 }
 
 /// Some of the windows with the original's outputs on them.
@@ -306,7 +312,7 @@ fn refit_o(f: &Form, fit: &Set, check: &Set, geo: &Geometry, mask: &Tensor) -> R
         let o: Vec<f32> = (0..c * width)
             .map(|k| sol[(k % width, k / width)] as f32)
             .collect();
-        let candidate = f.with_o(Tensor::from_vec(o, (c, width), &Device::Cpu)?);
+        let candidate = f.with_o(Tensor::from_vec(o, (c, width), &geo.device)?);
         let e = check.error(&candidate, geo, mask)?;
         if e < best.0 {
             best = (e, candidate);
