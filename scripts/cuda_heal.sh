@@ -6,6 +6,9 @@
 # weights do not travel to a GPU host) the default heal is timed on the GPU, each stage.
 #
 #   scripts/cuda_heal.sh BIN_DIR STORIES260K_DIR SMOLLM2_TOKENIZER_DIR
+#
+# STORIES260K_DIR `-` skips the first part; HEAL_SPECS (default "mqa lowrank:128") names the
+# conversions of the second.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bins="$1"; stories="$2"; smol="$3"
@@ -18,6 +21,7 @@ export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc
 
+[ "$stories" != - ] && {
 echo "== stories260K mqa --heal (default steps, 4096 tokens of its own text): cpu, cuda"
 for device in cpu cuda; do
     rm -rf "/tmp/heal-$device"
@@ -29,6 +33,7 @@ for device in cpu cuda; do
     "$B" eval --model "/tmp/heal-$device" --file tests/data/stories-heldout.txt --json | tail -n 1
 done
 "$B" eval --model "$stories" --file tests/data/stories-heldout.txt --json | tail -n 1
+}
 
 echo "== SmolLM2-135M shape, random weights: default mqa --heal on cuda, timed"
 python3 - "$smol" /tmp/smol-random <<'PY'
@@ -44,11 +49,11 @@ for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), dst)
 print("wrote", dst, sorted(os.listdir(dst)))
 PY
-for spec in mqa lowrank:128; do
+for spec in ${HEAL_SPECS:-mqa lowrank:128}; do
     rm -rf /tmp/smol-healed
     /usr/bin/time -f "$spec cuda wall %e s, peak RSS %M KB" "$B" convert --model /tmp/smol-random \
         --attention "$spec" --heal --device cuda --out /tmp/smol-healed --json \
         > "$out/smol-${spec/:/-}.json" 2> "$out/smol-${spec/:/-}.err"
     tail -n 2 "$out/smol-${spec/:/-}.err"
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k.startswith('heal') or k in ('conversion_secs', 'calibration_tokens')})" "$out/smol-${spec/:/-}.json"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k.startswith('heal') or k.startswith('calibration') or k == 'conversion_secs'})" "$out/smol-${spec/:/-}.json"
 done
