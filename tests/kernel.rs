@@ -687,3 +687,58 @@ fn probe_packed() -> candle_core::Result<()> {
     }
     Ok(())
 }
+
+/// Decode's case: one row of x against weights far larger than the caches (4 matrices of
+/// 8192 x 2048, 40-70 MB in all, taken in turn as a model's layers are), row layout against
+/// packed, per K-quant and Q4_0/Q8_0; the best of 5 passes in GB/s of weight bytes read.
+/// `cargo test --release --test kernel probe_packed_decode -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn probe_packed_decode() -> candle_core::Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use tiny_decoder::model::linear::quant::{Format, QWeight};
+    let dev = Device::Cpu;
+    let (n, k) = (8192usize, 2048usize);
+    for (format, ggml) in [
+        (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q6K, GgmlDType::Q6K),
+        (Format::Q4_0, GgmlDType::Q4_0),
+        (Format::Q8_0, GgmlDType::Q8_0),
+    ] {
+        // PROBE_FORMAT=Q6K (say) probes that format alone.
+        if std::env::var("PROBE_FORMAT").is_ok_and(|f| f != format!("{format:?}")) {
+            continue;
+        }
+        let mut layers = Vec::new();
+        for _ in 0..4 {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+            let bytes = QTensor::quantize(&w, ggml)?.data()?.into_owned();
+            let q = QWeight::from_ggml(format, n, k, &bytes).expect("blocks of the shape");
+            layers.push((q.clone().repacked(false), q.repacked(true)));
+        }
+        let x = Tensor::randn(0f32, 1.0, (1, k), &dev)?
+            .to_vec2::<f32>()?
+            .concat();
+        let mut y = vec![0f32; n];
+        let bytes: usize = layers.iter().map(|(r, _)| r.bytes()).sum();
+        let mut best = [f64::MAX; 2];
+        for _ in 0..5 {
+            for (which, b) in best.iter_mut().enumerate() {
+                let t = std::time::Instant::now();
+                for _ in 0..4 {
+                    for (rows, packed) in &layers {
+                        [rows, packed][which].product(&x, &mut y);
+                    }
+                }
+                *b = b.min(t.elapsed().as_secs_f64() / 4.0);
+            }
+        }
+        println!(
+            "{format:?} {} MB: rows {:.1}, packed {:.1} GB/s",
+            bytes / 1_000_000,
+            bytes as f64 / best[0] / 1e9,
+            bytes as f64 / best[1] / 1e9
+        );
+    }
+    Ok(())
+}

@@ -4,7 +4,7 @@ use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
 use super::super::x86::{bcast, half8, store, x_rows};
 use super::super::ROWS;
-use super::GROUP_BYTES;
+use super::{highs_at, nibbles_at, scales_at, GROUP_BYTES};
 use std::arch::x86_64::*;
 
 /// Byte masks for `_mm256_shuffle_epi8`: byte k of each 32-bit lane into the high byte of
@@ -77,7 +77,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
         let mut osum = [_mm256_setzero_si256(); R];
         for p in 0..4 {
             // SAFETY: the pair's 32 bytes of scales.
-            let raw = unsafe { _mm256_loadu_si256(base.add(1536 + 32 * p) as *const __m256i) };
+            let raw = unsafe { _mm256_loadu_si256(base.add(scales_at(p)) as *const __m256i) };
             // The scales of the pair's four 16-weight sub-blocks, each in both halves of a
             // lane, and as pairs (4p, 4p + 1), (4p + 2, 4p + 3).
             let mut sc = [_mm256_setzero_si256(); 4];
@@ -92,9 +92,9 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
                 // SAFETY: see above.
                 let (n0, n1, hb) = unsafe {
                     (
-                        _mm256_loadu_si256(base.add((8 * p + 2 * h) * 32) as *const __m256i),
-                        _mm256_loadu_si256(base.add((8 * p + 2 * h + 1) * 32) as *const __m256i),
-                        _mm256_loadu_si256(base.add(1024 + (4 * p + h) * 32) as *const __m256i),
+                        _mm256_loadu_si256(base.add(nibbles_at(p, 2 * h)) as *const __m256i),
+                        _mm256_loadu_si256(base.add(nibbles_at(p, 2 * h + 1)) as *const __m256i),
+                        _mm256_loadu_si256(base.add(highs_at(p, h)) as *const __m256i),
                     )
                 };
                 let lo0 = _mm256_or_si256(
