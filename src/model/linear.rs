@@ -99,15 +99,30 @@ impl Linear {
         let Weight::Dense(w) = &self.weight else {
             return Ok(false);
         };
+        // A loader's stand-in for blocks still to come (one value broadcast: see
+        // `GgufTensors::deferred`) must be replaced here, never run.
+        let stand_in = w.elem_count() > 1 && w.stride().iter().all(|&s| s == 0);
+        let not_taken = || {
+            candle_core::Error::Msg(format!(
+                "{}: the file's blocks for this weight were not taken",
+                self.name.as_deref().unwrap_or("a weight")
+            ))
+        };
         let Some(blocks) = quantizer.blocks(self.name.as_deref())? else {
-            return Ok(false);
+            return match stand_in {
+                true => Err(not_taken()),
+                false => Ok(false),
+            };
         };
         let q = match &blocks {
             Blocks::Made(q) => *q,
             Blocks::Stored(t) => t.dtype(),
         };
         if w.rank() != 2 || !w.dim(1)?.is_multiple_of(q.block_size()) {
-            return Ok(false);
+            return match stand_in {
+                true => Err(not_taken()),
+                false => Ok(false),
+            };
         }
         let (dev, (rows, cols)) = (w.device().clone(), w.dims2()?);
         let ours = our_format(q).filter(|_| dev.is_cpu());

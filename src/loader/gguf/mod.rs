@@ -117,6 +117,7 @@ impl GgufFile {
             path: self.path.clone(),
             content: self.content.clone(),
             permute,
+            defer_blocks: false,
         }
     }
 
@@ -243,7 +244,10 @@ impl GgufFile {
             (None, Some(kept)) => Some(kept),
             (None, None) => None,
         };
-        let tensors = Box::new(self.tensors(&cfg));
+        let tensors = Box::new(GgufTensors {
+            defer_blocks: made.is_none() && kept.is_some(),
+            ..self.tensors(&cfg)
+        });
         let (model, num_parameters) = super::weights::build(&cfg, tensors, dtype, quant, device)
             .map_err(|e| Error::Weights(format!("{}: {e}", self.path.display())))?;
         let tokenizer = match built {

@@ -112,6 +112,9 @@ pub(super) struct GgufTensors {
     pub content: Arc<Content>,
     /// Llama only: the head counts that q_proj and k_proj rows are grouped by.
     pub permute: Option<(usize, usize)>,
+    /// The model is built with this same file as its [`Quantizer`] (`--dtype auto`): the
+    /// weights it will take as blocks are not dequantized first ([`Self::deferred`]).
+    pub defer_blocks: bool,
 }
 
 impl GgufTensors {
@@ -146,6 +149,30 @@ impl GgufTensors {
             }
         }
         bytes.into_iter().max_by_key(|&(_, n)| n).map(|(q, _)| q)
+    }
+
+    /// A stand-in of shape `s` for `hf`, allocating nothing (one value, broadcast), when
+    /// the model takes `hf` as the file's blocks right after building its layer
+    /// ([`Linear::quantize`](crate::model::linear::Linear::quantize) replaces every such
+    /// weight: [`Quantizer::blocks`] gives it blocks of its shape in whole rows of
+    /// blocks). A layer is then never dense at load, and the peak stays near the file's
+    /// size. The embedding is always read: it is dense off the CPU.
+    fn deferred(&self, hf: &str, s: &Shape, dtype: DType, dev: &Device) -> Option<Tensor> {
+        let layer = hf.starts_with("model.layers.") && hf.ends_with("_proj.weight");
+        if !self.defer_blocks || !(layer || hf == "lm_head.weight") {
+            return None;
+        }
+        let (name, _) = self.find(hf)?;
+        let info = &self.content.tensor_infos[&name];
+        let whole = info.shape.dims() == s.dims()
+            && s.rank() == 2
+            && s.dims()[1].is_multiple_of(info.ggml_dtype.block_size());
+        if !is_blocks(info.ggml_dtype) || !whole {
+            return None;
+        }
+        Tensor::zeros((), dtype, dev)
+            .and_then(|t| t.broadcast_as(s))
+            .ok()
     }
 
     /// The tensor named `hf` (a Hugging Face name), dequantized to f32 on `dev`.
@@ -208,6 +235,9 @@ impl SimpleBackend for GgufTensors {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        if let Some(t) = self.deferred(name, &s, dtype, dev) {
+            return Ok(t);
+        }
         let t = self.read(name, dev)?;
         if t.shape() != &s {
             return Err(candle_core::Error::UnexpectedShape {

@@ -90,3 +90,38 @@ pub fn stored_weight(t: &QTensor) -> Result<Option<Arc<QWeight>>> {
     })?;
     Ok(Some(Arc::new(q)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+
+    /// Keeps every weight dense.
+    struct Nothing;
+
+    impl Quantizer for Nothing {
+        fn blocks(&self, _: Option<&str>) -> Result<Option<Blocks>> {
+            Ok(None)
+        }
+
+        fn label(&self) -> GgmlDType {
+            GgmlDType::F32
+        }
+    }
+
+    #[test]
+    fn a_stand_in_for_blocks_is_never_kept() {
+        let stand_in = Tensor::zeros((), DType::F32, &Device::Cpu)
+            .and_then(|t| t.broadcast_as((4, 32)))
+            .unwrap();
+        let mut l = Linear::new(stand_in, None).named("model.layers.0.mlp.up_proj.weight");
+        let e = l.quantize(&Nothing).unwrap_err().to_string();
+        assert!(
+            e.contains("up_proj.weight") && e.contains("not taken"),
+            "{e}"
+        );
+        // A real dense weight the quantizer leaves is kept as it is.
+        let dense = Tensor::ones((4, 32), DType::F32, &Device::Cpu).unwrap();
+        assert!(!Linear::new(dense, None).quantize(&Nothing).unwrap());
+    }
+}
