@@ -146,6 +146,22 @@ fn convert_writes_the_healed_model() {
     );
     assert!((a - b).abs() < 1e-4, "eval --heal {a}, written {b}");
     assert!(live["heal_secs"].as_f64().unwrap() > 0.0);
+    // The text the original wrote is kept beside the model, and heals again as given text.
+    assert!(written["files"]
+        .as_array()
+        .unwrap()
+        .contains(&"heal_calibration.txt".into()));
+    let text = out.join("heal_calibration.txt");
+    let kept = std::fs::read_to_string(&text).unwrap();
+    assert!(kept.len() > 2048, "{} bytes of text", kept.len());
+    let again = run_json(
+        &[
+            &["eval", "--file", f, "--calibration", text.to_str().unwrap()][..],
+            &args[..],
+        ]
+        .concat(),
+    );
+    assert!(again["heal_e2e_tokens"].as_u64().unwrap() > 0);
 }
 
 #[test]

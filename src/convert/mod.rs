@@ -111,6 +111,7 @@ pub struct Conversion {
     calibration_tokens: usize,
     text_secs: f64,
     calibration_secs: f64,
+    own_text: Option<String>,
     heal: Option<HealReport>,
     start: Instant,
 }
@@ -172,6 +173,7 @@ impl Conversion {
             calibration_tokens: calibration.tokens,
             text_secs: calibration.text_secs,
             calibration_secs: calibration.secs,
+            own_text: calibration.own_text,
             heal: healer.map(heal::Healer::report),
             start,
         })
@@ -179,6 +181,11 @@ impl Conversion {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// The calibration text the original wrote itself for `--heal`, when it did.
+    pub fn own_text(&self) -> Option<&str> {
+        self.own_text.as_deref()
     }
 
     /// The names of the converted tensors that start with `prefix`, sorted.
@@ -276,9 +283,12 @@ struct Calibration {
     /// The original's next-token distribution, for end-to-end healing.
     targets: Option<heal::Targets>,
     tokens: usize,
-    /// Seconds spent writing the text, and running the original over it.
+    /// Seconds spent getting the text's tokens (the original writing its own).
     text_secs: f64,
+    /// Seconds of the original's forwards over it.
     secs: f64,
+    /// The text the original wrote itself, when it did.
+    own_text: Option<String>,
 }
 
 /// The original model in f32 on `device` over the calibration text: each layer's input
@@ -298,18 +308,25 @@ fn calibrate(
         )
     })?;
     let start = Instant::now();
+    let mut own = None;
     let ids = match (&req.calibration, heal) {
         (Some(text), _) => tokenizer.encode(text)?,
         // Training end to end wants far more text than ships: the original writes it.
-        (None, Some(h)) if h.steps > 0 => own_text::write(&original, h.tokens, 0, |done, n| {
-            progress(Stage::Writing, done, n)
-        })?,
+        (None, Some(h)) if h.steps > 0 => {
+            let ids = own_text::write(&original, h.tokens, 0, |done, n| {
+                progress(Stage::Writing, done, n)
+            })?;
+            let text = tokenizer.inner().decode(&ids, false);
+            own = Some(text.map_err(|e| Error::Tokenizer(e.to_string()))?);
+            ids
+        }
         (None, _) => tokenizer.encode(DEFAULT_CALIBRATION)?,
     };
     let text_secs = start.elapsed().as_secs_f64();
     let mut out = Calibration {
         tokens: ids.len(),
         text_secs,
+        own_text: own,
         ..Default::default()
     };
     if moments {
@@ -331,6 +348,8 @@ fn calibrate(
             out.targets = Some(t);
         }
     }
+    // A GPU's queued work finishes before the clock is read.
+    device.synchronize()?;
     out.secs = start.elapsed().as_secs_f64() - text_secs;
     Ok(out)
 }

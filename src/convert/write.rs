@@ -33,6 +33,9 @@ const COPIED: [&str; 8] = [
     "merges.txt",
 ];
 
+/// Where [`write`](fn@write) keeps the calibration text the original wrote for `--heal`.
+pub const OWN_TEXT: &str = "heal_calibration.txt";
+
 /// What [`write`](fn@write) wrote.
 #[derive(Debug, Clone)]
 pub struct Written {
@@ -96,6 +99,12 @@ pub fn write(
     std::fs::set_permissions(&weights, mode.permissions()).map_err(|e| Error::file(&weights, e))?;
     let mut files = vec!["config.json".to_string(), "model.safetensors".to_string()];
     files.extend(copy_companions(source, dir)?);
+    // The text the original wrote to heal on, kept: `--calibration` reads it back, for a
+    // second conversion without writing it again.
+    if let Some(text) = conversion.own_text() {
+        write_file(&dir.join(OWN_TEXT), text.as_bytes())?;
+        files.push(OWN_TEXT.to_string());
+    }
     partial.finish(out)?;
     Ok(Written {
         report: conversion.report(),

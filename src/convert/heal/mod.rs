@@ -64,6 +64,8 @@ pub struct Geometry {
     pub head_dim: usize,
     /// RoPE at positions 0..[`WINDOW`], f32.
     pub rotation: Rotation,
+    /// Where the fits run: the calibration windows', the rotation's and the frozen
+    /// tensors' device; the forms come there in f32 and go back to the CPU in f64.
     pub device: Device,
 }
 
@@ -221,7 +223,7 @@ pub fn heal(
         let picks: Vec<u32> = (0..BATCH.min(m))
             .map(|i| ((step * BATCH + i) % m) as u32)
             .collect();
-        let picks = Tensor::new(picks.as_slice(), inputs.device())?;
+        let picks = Tensor::new(picks.as_slice(), &geo.device)?;
         let x = fit_set.inputs.index_select(&picks, 0)?;
         let y = fit_set.targets.index_select(&picks, 0)?;
         let current = fitted.with(

@@ -22,6 +22,9 @@ use half::f16;
 /// Bytes of one group's superblock in `quants`.
 pub(super) const GROUP_BYTES: usize = ROWS * 208;
 
+// The pairs' 416 bytes tile the superblock exactly.
+const _: () = assert!(nibbles_at(0, 0) == 32 && highs_at(3, 3) + 32 == GROUP_BYTES);
+
 /// Where pair `p`'s 32 bytes of scales are in a group's superblock.
 pub(super) const fn scales_at(p: usize) -> usize {
     416 * p
