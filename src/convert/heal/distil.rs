@@ -4,8 +4,8 @@
 //! X-EcoMLA recover a conversion's loss), everything else frozen. Errors that add up
 //! through the layers, which the layer-wise fit never sees, are what this aims at.
 //!
-//! The original's distribution is kept as its [`TOP_K`] most probable next tokens per
-//! position, renormalised ([`Targets`]): the loss is their cross-entropy against the
+//! The original's distribution is kept as its most probable next tokens per position,
+//! renormalised ([`Targets`]): the loss is their cross-entropy against the
 //! converted model's log-probabilities (the KL divergence up to a constant). The converted
 //! model runs once more in candle's differentiable basic ops ([`Frozen::logits`]), the
 //! attention through [`super::attend`]. The last [`HELD_OUT`]th of the windows is held
@@ -13,18 +13,15 @@
 //! it saw is what is kept (the layer-wise result when nothing beats it).
 
 use super::attend::{mask, output, Form};
+use super::targets::Targets;
 use super::{Geometry, WINDOW};
 use crate::config::{AttentionConfig, MlpConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
-use crate::model::Transformer;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use std::time::Instant;
 
-/// The original's most probable next tokens kept per position.
-pub const TOP_K: usize = 64;
 /// Windows per optimiser step.
 const BATCH: usize = 4;
 /// One window in this many is held out (at least one, at most [`HELD_OUT_MAX`]).
@@ -34,99 +31,6 @@ const HELD_OUT_MAX: usize = 4;
 const CHECK_EVERY: usize = 10;
 /// AdamW's learning rate at the start, decayed linearly to a tenth, without weight decay.
 const LR: f64 = 3e-4;
-
-/// The original model's next-token distribution over windows of a calibration text.
-pub struct Targets {
-    /// Each window's tokens, (T,) u32.
-    ids: Vec<Tensor>,
-    /// Per window, each position's [`TOP_K`] most probable next tokens (T, K) u32 and their
-    /// probabilities renormalised to sum to 1, (T, K) f32.
-    top: Vec<(Tensor, Tensor)>,
-}
-
-impl Targets {
-    /// The original `model` over up to `count` windows of [`WINDOW`] tokens of `ids`, one
-    /// after another; `progress(done, total)` after each.
-    pub fn measure(
-        model: &Transformer,
-        ids: &[u32],
-        count: usize,
-        mut progress: impl FnMut(usize, usize),
-    ) -> Result<Self> {
-        let n = (ids.len() / WINDOW).min(count);
-        let mut cache = KvCache::new(model.config(), WINDOW, model.dtype(), model.device())?;
-        let mut out = Targets {
-            ids: Vec::with_capacity(n),
-            top: Vec::with_capacity(n),
-        };
-        for (w, window) in ids.chunks_exact(WINDOW).take(n).enumerate() {
-            cache.reset();
-            let input = Tensor::new(window, model.device())?.unsqueeze(0)?;
-            let logits = model
-                .forward(&input, &mut cache)?
-                .squeeze(0)?
-                .to_dtype(DType::F32)?
-                .to_device(&Device::Cpu)?;
-            let (t, v) = logits.dims2()?;
-            let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-            let k = TOP_K.min(v);
-            let (mut top, mut p) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
-            for row in logits.chunks_exact(v) {
-                let (ids, probs) = top_k(row, k);
-                top.extend(ids);
-                p.extend(probs);
-            }
-            out.ids.push(Tensor::new(window, &Device::Cpu)?);
-            out.top.push((
-                Tensor::from_vec(top, (t, k), &Device::Cpu)?,
-                Tensor::from_vec(p, (t, k), &Device::Cpu)?,
-            ));
-            progress(w + 1, n);
-        }
-        Ok(out)
-    }
-
-    pub fn windows(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// Tokens in all windows.
-    pub fn tokens(&self) -> usize {
-        self.ids.len() * WINDOW
-    }
-
-    /// Windows `picks` stacked on `device`: ids (B, T), top tokens and probabilities (B·T, K).
-    fn batch(&self, picks: &[usize], device: &Device) -> Result<(Tensor, Tensor, Tensor)> {
-        let ids: Vec<&Tensor> = picks.iter().map(|&i| &self.ids[i]).collect();
-        let top: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].0).collect();
-        let p: Vec<&Tensor> = picks.iter().map(|&i| &self.top[i].1).collect();
-        Ok((
-            Tensor::stack(&ids, 0)?.to_device(device)?,
-            Tensor::cat(&top, 0)?.to_device(device)?,
-            Tensor::cat(&p, 0)?.to_device(device)?,
-        ))
-    }
-}
-
-/// The `k` largest of `logits` (most likely first; selected, not sorted whole: a
-/// vocabulary of 50k a position) and their probabilities renormalised among themselves,
-/// which is their softmax over the `k` alone.
-fn top_k(logits: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
-    if k < ids.len() {
-        ids.select_nth_unstable_by(k - 1, by_logit);
-        ids.truncate(k);
-    }
-    ids.sort_unstable_by(by_logit);
-    let max = logits[ids[0] as usize];
-    let e: Vec<f32> = ids
-        .iter()
-        .map(|&i| (logits[i as usize] - max).exp())
-        .collect();
-    let sum: f32 = e.iter().sum();
-    (ids, e.into_iter().map(|x| x / sum).collect())
-}
 
 /// Everything of the model but the converted attention, in f32, frozen.
 pub struct Frozen {
@@ -372,32 +276,4 @@ pub fn distil(
         after: best.0,
     };
     Ok((healed, report))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top_k;
-
-    #[test]
-    fn top_k_selects_the_largest_and_renormalises_their_softmax() {
-        // A scrambled vocabulary of 1000: logit i/100 at a position that varies.
-        let v = 1000;
-        let logits: Vec<f32> = (0..v).map(|i| ((i * 617) % v) as f32 / 100.0).collect();
-        let (ids, p) = top_k(&logits, 5);
-        let want: Vec<u32> = (0..5).map(|r| ((v - 1 - r) * 953 % v) as u32).collect();
-        // 617 · 953 ≡ 1 (mod 1000): token (j·953) mod 1000 has logit j/100.
-        assert_eq!(ids, want);
-        let z: f32 = (0..5).map(|r| (-(r as f32) / 100.0).exp()).sum();
-        for (r, &q) in p.iter().enumerate() {
-            assert!(
-                (q - (-(r as f32) / 100.0).exp() / z).abs() < 1e-6,
-                "{r}: {q}"
-            );
-        }
-        // k past the vocabulary: all of it, most likely first.
-        let e2 = 2f32.exp();
-        let (ids, p) = top_k(&[1.0, 3.0], 64);
-        assert_eq!(ids, vec![1, 0]);
-        assert!((p[0] - e2 / (1.0 + e2)).abs() < 1e-6 && (p[1] - 1.0 / (1.0 + e2)).abs() < 1e-6);
-    }
 }

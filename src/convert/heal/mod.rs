@@ -17,9 +17,11 @@
 
 mod attend;
 pub mod distil;
+pub mod targets;
 
 pub use attend::Form;
-pub use distil::{Distilled, Frozen, Targets};
+pub use distil::{Distilled, Frozen};
+pub use targets::Targets;
 
 use super::gqa::Projections;
 use super::HealReport;
