@@ -5,9 +5,10 @@ use super::mlp::Mlp;
 use super::rope::Rotation;
 use crate::config::ModelConfig;
 use crate::kv_cache::LayerView;
+use crate::model::norm::RmsNorm;
 use crate::model::rms_norm;
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {

@@ -7,6 +7,7 @@ pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod norm;
 pub mod pool;
 pub mod rope;
 pub mod swiglu;
@@ -18,9 +19,10 @@ use attention::Span;
 use block::DecoderLayer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
 use embedding::TokenEmbedding;
 use linear::{Blocks, Linear, Quantizer};
+use norm::RmsNorm;
 use rope::Rope;
 
 /// The embedding's name in a checkpoint (and its tied LM head's).
@@ -43,7 +45,7 @@ pub fn activation_dtype(weights: DType, dev: &Device) -> DType {
     }
 }
 
-/// candle_nn's RMSNorm (same loading and initialisation) with its weight in the
+/// RMSNorm (candle_nn's loading and initialisation) with its weight in the
 /// [`activation_dtype`].
 pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
     let act = activation_dtype(vb.dtype(), vb.device());

@@ -1,8 +1,10 @@
 //! Rotary position embeddings: frequency tables for default, linear, llama3 and yarn scaling
-//! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels.
+//! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels,
+//! on CPU in f32 by [`rows`] instead (see [`super::norm`] for why).
 
+use super::norm::each_row;
 use crate::config::{RopeConfig, RopeScaling, YarnScaling};
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Error, Layout, Result, Shape, Tensor};
 use std::f64::consts::PI;
 
 /// The frequencies of one model's RoPE. Angles are computed per forward for just the
@@ -126,6 +128,9 @@ impl Rope {
 impl Rotation {
     /// Rotates `x` (B, H, T, D).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = rows(x, &self.cos, &self.sin, self.interleaved) {
+            return y;
+        }
         let x = x.contiguous()?;
         if self.interleaved {
             candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)
@@ -142,5 +147,80 @@ impl Rotation {
         } else {
             candle_nn::rotary_emb::rope_slow(x, &self.cos, &self.sin)
         }
+    }
+}
+
+/// RoPE of x (B, H, T, D) in any layout whose rows of D are contiguous, with cos and sin (T,
+/// D/2): a contiguous (B, H, T, D), as candle-nn's `rope` (pairs `i, i + D/2`) or `rope_i`
+/// (pairs `2i, 2i + 1`). Reading x as laid out saves the copy a transposed x needed first.
+fn rows(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Option<Result<Tensor>> {
+    let ours = x.device().is_cpu()
+        && [x, cos, sin].iter().all(|t| t.dtype() == DType::F32)
+        && x.rank() == 4
+        && x.stride()[3] == 1;
+    ours.then(|| x.apply_op3_no_bwd(cos, sin, &RowRope { interleaved }))
+}
+
+struct RowRope {
+    interleaved: bool,
+}
+
+impl CustomOp3 for RowRope {
+    fn name(&self) -> &'static str {
+        "rope-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(x), CpuStorage::F32(cos), CpuStorage::F32(sin)) = (xs, cs, ss) else {
+            return Err(Error::Msg("rope: f32 only".into()));
+        };
+        let (b, h, t, d) = xl.shape().dims4()?;
+        let (Some((c0, c1)), Some((s0, s1))) = (cl.contiguous_offsets(), sl.contiguous_offsets())
+        else {
+            return Err(Error::Msg("rope: cos and sin must be contiguous".into()));
+        };
+        let (cos, sin) = (&cos[c0..c1], &sin[s0..s1]);
+        let half = d / 2;
+        if d % 2 != 0 || cos.len() != t * half || sin.len() != t * half || xl.stride()[3] != 1 {
+            return Err(Error::Msg(format!(
+                "rope: x {:?} against cos/sin of {} values",
+                xl.dims(),
+                cos.len()
+            )));
+        }
+        let st = xl.stride();
+        // Gather x's rows in (B, H, T) order, then rotate them in place.
+        let mut out = Vec::with_capacity(b * h * t * d);
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    let at = xl.start_offset() + bi * st[0] + hi * st[1] + ti * st[2];
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+        }
+        let interleaved = self.interleaved;
+        let rotate = |r: usize, row: &mut [f32]| {
+            let (c, s) = (&cos[r % t * half..][..half], &sin[r % t * half..][..half]);
+            for i in 0..half {
+                let (a, b) = match interleaved {
+                    true => (2 * i, 2 * i + 1),
+                    false => (i, i + half),
+                };
+                let (x1, x2) = (row[a], row[b]);
+                row[a] = x1 * c[i] - x2 * s[i];
+                row[b] = x1 * s[i] + x2 * c[i];
+            }
+        };
+        each_row(&mut out, d, rotate);
+        Ok((CpuStorage::F32(out), Shape::from((b, h, t, d))))
     }
 }

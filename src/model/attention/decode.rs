@@ -178,68 +178,96 @@ fn block<T: Cached>(
     Partial { max, sum, acc }
 }
 
-/// Runs every (batch, K/V head, block) on the pool and merges the blocks of each head.
-fn attend<T: Cached>(
+/// One (sequence, K/V head) of a step: its group's query heads (hg × dk, in the layout of
+/// [`Cached`]), that head's cached keys and values from the row its positions count from
+/// (value rows `vs` apart), and where its `len` positions are: through `pages`, or the first
+/// `len` rows.
+struct Head<'a, T> {
+    q: &'a [f32],
+    k: &'a [T],
+    v: &'a [T],
+    vs: usize,
+    pages: Option<&'a Pages>,
+    len: usize,
+}
+
+/// Runs every (head, block) on the pool and merges the blocks of each head: each head's
+/// query heads' `dv` values, head after head.
+fn attend<T: Cached>(scale: f32, heads: &[Head<'_, T>], (dk, dv): (usize, usize)) -> Vec<f32> {
+    let isa = Isa::current();
+    // Head i's blocks are work items starts[i]..starts[i + 1].
+    let mut starts = Vec::with_capacity(heads.len() + 1);
+    starts.push(0);
+    for h in heads {
+        starts.push(starts[starts.len() - 1] + h.len.div_ceil(BLOCK));
+    }
+    let items = starts[heads.len()];
+    let parts: Vec<std::sync::Mutex<Option<Partial>>> =
+        (0..items).map(|_| Default::default()).collect();
+    Pool::global().run(items, &|i| {
+        let head = starts.partition_point(|&s| s <= i) - 1;
+        let h = &heads[head];
+        let c = i - starts[head];
+        let (p0, p1) = (c * BLOCK, ((c + 1) * BLOCK).min(h.len));
+        let runs = match h.pages {
+            Some(pages) => pages.runs(p0, p1),
+            None => vec![(p0, p1 - p0)],
+        };
+        let part = block(isa, scale, h.q, (h.k, h.v), (dk, dv, h.vs), &runs);
+        *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
+    });
+    // Merge: out = Σ_c e^(max_c - M) acc_c / Σ_c e^(max_c - M) sum_c, M the overall max.
+    let mut out = Vec::with_capacity(heads.iter().map(|h| h.q.len() / dk * dv).sum());
+    for (head, h) in heads.iter().enumerate() {
+        let parts: Vec<Partial> = parts[starts[head]..starts[head + 1]]
+            .iter()
+            .filter_map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).take())
+            .collect();
+        for j in 0..h.q.len() / dk {
+            let top = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.max[j]));
+            let (mut total, at) = (0f32, out.len());
+            out.resize(at + dv, 0.0);
+            for p in &parts {
+                let w = (p.max[j] - top).exp();
+                total += w * p.sum[j];
+                for (o, a) in out[at..].iter_mut().zip(&p.acc[j * dv..(j + 1) * dv]) {
+                    *o += w * a;
+                }
+            }
+            out[at..].iter_mut().for_each(|o| *o /= total);
+        }
+    }
+    out
+}
+
+/// [`attend`] over the op's (batch, K/V head)s: q (B, H, 1, Dk) in the layout of
+/// [`Cached`], k and v (B, G, S, ..) as laid out, every one at the op's positions.
+fn attend_op<T: Cached>(
     op: &DecodeAttention,
     q: &[f32],
     (k, kl): (&[T], &Layout),
     (v, vl): (&[T], &Layout),
     (b, h, dk): (usize, usize, usize),
 ) -> Result<Vec<f32>> {
-    // `rows`: the positions stored per head; `s`: the positions attended over.
     let (_, g, rows, _) = kl.shape().dims4()?;
-    let s = op.pages.map_or(rows, Pages::len);
-    let dv = vl.dims()[3];
-    let (hg, blocks, isa) = (h / g, s.div_ceil(BLOCK), Isa::current());
+    let (dv, hg) = (vl.dims()[3], h / g);
     let mut heads = Vec::with_capacity(b * g);
-    // The step between rows of v: one layout, the same for every head.
-    let (_, vs) = head_offset(vl, 0, 0, "v", true)?;
     for bi in 0..b {
         for gi in 0..g {
             let (ko, _) = head_offset(kl, bi, gi, "k", false)?;
-            let (vo, _) = head_offset(vl, bi, gi, "v", true)?;
+            let (vo, vs) = head_offset(vl, bi, gi, "v", true)?;
             let q0 = (bi * h + gi * hg) * dk;
-            heads.push((
-                &q[q0..q0 + hg * dk],
-                &k[ko..ko + rows * dk],
-                &v[vo..vo + (rows - 1) * vs + dv],
-            ));
+            heads.push(Head {
+                q: &q[q0..q0 + hg * dk],
+                k: &k[ko..ko + rows * dk],
+                v: &v[vo..vo + (rows - 1) * vs + dv],
+                vs,
+                pages: op.pages,
+                len: op.pages.map_or(rows, Pages::len),
+            });
         }
     }
-    let parts: Vec<std::sync::Mutex<Option<Partial>>> = (0..heads.len() * blocks)
-        .map(|_| Default::default())
-        .collect();
-    Pool::global().run(parts.len(), &|i| {
-        let (qh, kh, vh) = heads[i / blocks];
-        let (p0, p1) = ((i % blocks) * BLOCK, ((i % blocks + 1) * BLOCK).min(s));
-        let runs = match op.pages {
-            Some(pages) => pages.runs(p0, p1),
-            None => vec![(p0, p1 - p0)],
-        };
-        let part = block(isa, op.scale, qh, (kh, vh), (dk, dv, vs), &runs);
-        *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
-    });
-    // Merge: out = Σ_c e^(max_c - M) acc_c / Σ_c e^(max_c - M) sum_c, M the overall max.
-    let mut out = vec![0f32; b * h * dv];
-    for (head, out) in out.chunks_exact_mut(hg * dv).enumerate() {
-        let parts: Vec<Partial> = parts[head * blocks..(head + 1) * blocks]
-            .iter()
-            .filter_map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).take())
-            .collect();
-        for (j, out) in out.chunks_exact_mut(dv).enumerate() {
-            let top = parts.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.max[j]));
-            let mut total = 0f32;
-            for p in &parts {
-                let w = (p.max[j] - top).exp();
-                total += w * p.sum[j];
-                for (o, a) in out.iter_mut().zip(&p.acc[j * dv..(j + 1) * dv]) {
-                    *o += w * a;
-                }
-            }
-            out.iter_mut().for_each(|o| *o /= total);
-        }
-    }
-    Ok(out)
+    Ok(attend(op.scale, &heads, (dk, dv)))
 }
 
 impl CustomOp3 for DecodeAttention<'_> {
@@ -280,18 +308,18 @@ impl CustomOp3 for DecodeAttention<'_> {
         let shape = Shape::from((b, h, 1, dv));
         Ok(match (qs, ks, vs) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let out = attend(self, &q[q0..q1], (k, kl), (v, vl), (b, h, dk))?;
+                let out = attend_op(self, &q[q0..q1], (k, kl), (v, vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
             // f32 activations over a bf16 cache (`crate::model::activation_dtype`).
             (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let q = simd::pair_layout(&q[q0..q1], dk, |v| v);
-                let out = attend(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
+                let out = attend_op(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 let q = simd::pair_layout(&q[q0..q1], dk, bf16::to_f32);
-                let out = attend(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
+                let out = attend_op(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
                 (
                     CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect()),
                     shape,
@@ -309,7 +337,10 @@ impl CustomOp3 for DecodeAttention<'_> {
 
 #[cfg(target_arch = "aarch64")]
 mod arm;
+mod each;
 mod tile;
+
+pub use each::attend_each;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

@@ -1,16 +1,17 @@
 //! Multi-head attention with `num_kv_heads` key/value heads: MHA when it equals the number of
 //! query heads, MQA when it is 1, GQA in between. One implementation for all three.
 
-use super::{join, sdpa_held, Span};
+use super::{sdpa_spans, Span};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerView;
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, Linear};
+use crate::model::norm::RmsNorm;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
 use candle_core::{Error, Module, Result, Tensor};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone)]
 pub struct GqaAttention {
@@ -93,17 +94,11 @@ impl GqaAttention {
         let k = rope.apply(&k.transpose(1, 2)?)?;
         let v = v.transpose(1, 2)?; // (1, G, N, D)
                                     // 4. Per sequence: write its tokens into its cache, attend over all it holds
-        let ys = spans
-            .iter()
-            .zip(caches)
-            .map(|(span, cache)| {
-                let held = cache.write_held(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos)?;
-                let q = span.rows(&q, 2)?;
-                let y = sdpa_held(&q, &held, 1.0 / (d as f64).sqrt(), span.mask.as_ref())?;
-                y.transpose(1, 2)?.reshape((b, span.len, h * d)) // (1, len, H·D)
-            })
+        let helds = (spans.iter().zip(caches))
+            .map(|(span, cache)| cache.write_held(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos))
             .collect::<Result<Vec<_>>>()?;
-        // 5. Heads merged, output projection over every token
-        self.o_proj.forward(&join(ys)?)
+        let y = sdpa_spans(&q, &helds, spans, 1.0 / (d as f64).sqrt())?; // (1, N, H·D)
+                                                                         // 5. Heads merged, output projection over every token
+        self.o_proj.forward(&y)
     }
 }

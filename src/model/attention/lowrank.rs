@@ -13,10 +13,11 @@ use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerView;
 use crate::model::linear::quantize_all;
 use crate::model::linear::{linear_b, Linear, Quantizer};
+use crate::model::norm::RmsNorm;
 use crate::model::rope::{Rope, Rotation};
 use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone)]
 pub struct LowRankAttention {

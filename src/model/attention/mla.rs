@@ -22,10 +22,11 @@ use crate::kv_cache::{LayerCache, LayerView};
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
 use crate::model::linear::{linear_b, linear_no_bias, Linear};
+use crate::model::norm::RmsNorm;
 use crate::model::rope::Rotation;
 use crate::model::{activation_dtype, rms_norm};
 use candle_core::{Error, Module, Result, Tensor, D};
-use candle_nn::{RmsNorm, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// The eps of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
 pub const LATENT_NORM_EPS: f64 = 1e-6;

@@ -23,19 +23,24 @@ impl QRows {
 
     fn quantize_span(x: &[f32], cols: usize, span: usize) -> Self {
         let mut quants = vec![0i8; x.len()];
-        let scales: Vec<f32> = x
-            .chunks_exact(span)
-            .zip(quants.chunks_exact_mut(span))
-            .flat_map(|(x, q)| std::iter::repeat_n(round_x(x, q), span / BLOCK))
-            .collect();
-        let sum = |q: &[i8]| q.iter().map(|&v| v as i32).sum::<i32>();
-        let sums = (quants.chunks_exact(BLOCK).zip(&scales))
-            .map(|(q, d)| d * sum(q) as f32)
-            .collect();
+        let mut scales = Vec::with_capacity(x.len() / BLOCK);
+        let avx2 = crate::model::linear::simd::Isa::current().has_avx2();
+        for (x, q) in x.chunks_exact(span).zip(quants.chunks_exact_mut(span)) {
+            let d = match avx2 {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `has_avx2` asked the CPU; span is whole blocks of 32.
+                true => unsafe { round_x_avx2(x, q) },
+                _ => round_x(x, q),
+            };
+            scales.extend(std::iter::repeat_n(d, span / BLOCK));
+        }
         // |Σ| <= 16 · 127: an i16.
         let isums16: Vec<i16> = quants
             .chunks_exact(BLOCK / 2)
-            .map(|q| sum(q) as i16)
+            .map(|q| q.iter().map(|&v| v as i16).sum::<i16>())
+            .collect();
+        let sums = (isums16.chunks_exact(2).zip(&scales))
+            .map(|(h, d)| d * (h[0] + h[1]) as f32)
             .collect();
         // |Σ| <= 32 · 127: an i16 too. Only the packed Q4_K kernel reads them, and x is
         // rounded per superblock only against a K-quant.
@@ -81,6 +86,72 @@ fn round_x(x: &[f32], q: &mut [i8]) -> f32 {
         *q = ((v * inv).clamp(-127.0, 127.0) + MAGIC - MAGIC) as i8;
     }
     d
+}
+
+/// [`round_x`] on AVX2, the same values: the largest |x| over all of x, then each block of
+/// 32 scaled, clamped to ±127 and rounded half to even (`_mm256_round_ps`, as the adding and
+/// taking away of `round_x`), packed to bytes. 5-6x faster than the compiler's form of
+/// `round_x`, whose float-to-byte casts it does not vectorize; a batched step rounds every
+/// product's rows (8 rows of SmolLM2: 3.6 ms of a 33 ms step before).
+///
+/// # Safety
+/// AVX2; `x.len()` is a multiple of 32 and `q` as long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn round_x_avx2(x: &[f32], q: &mut [i8]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len().is_multiple_of(BLOCK) && q.len() == x.len());
+    let sign = _mm256_set1_ps(-0.0);
+    let mut top = _mm256_setzero_ps();
+    for c in x.chunks_exact(8) {
+        // SAFETY: 8 values. abs first, top second: a NaN is passed over, as in `round_x`.
+        let v = _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+        top = _mm256_max_ps(v, top);
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), top) };
+    let amax = lanes.into_iter().fold(0f32, f32::max);
+    let d = amax / 127.0;
+    let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    // packs interleaves 128-bit lanes; this puts the 8 groups of 4 bytes back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (c, out) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
+        // SAFETY (the four): values 8i..8i + 8 of the block's 32.
+        let [r0, r1, r2, r3] = [0, 8, 16, 24].map(|i| c.as_ptr().wrapping_add(i));
+        let (a, b) = unsafe {
+            (
+                _mm256_packs_epi32(rounded8(r0, inv), rounded8(r1, inv)),
+                _mm256_packs_epi32(rounded8(r2, inv), rounded8(r3, inv)),
+            )
+        };
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
+        // SAFETY: 32 bytes.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, bytes) };
+    }
+    d
+}
+
+/// 8 values at `p` times `inv`, clamped to ±127 and rounded half to even, as i32. A
+/// function, not a closure: a closure is compiled without its caller's target features.
+///
+/// # Safety
+/// AVX2; 8 values at `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn rounded8(p: *const f32, inv: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's.
+    let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(p) }, inv);
+    // A NaN becomes -127 here and 0 in `round_x`: garbage either way.
+    let v = _mm256_min_ps(
+        _mm256_max_ps(v, _mm256_set1_ps(-127.0)),
+        _mm256_set1_ps(127.0),
+    );
+    _mm256_cvtps_epi32(_mm256_round_ps::<
+        { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+    >(v))
 }
 
 /// Q8_0 of one block into `q` (as bytes); returns the scale.
@@ -199,5 +270,51 @@ impl QWeight {
         let p = self.parts(b);
         let (d, c) = (p.d.to_f32(), p.offset(self.format));
         std::array::from_fn(|j| d * p.quant(self.format, j) as f32 + c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 rounding gives `round_x`'s bytes and scale exactly: random rows, rows of
+    /// halves (ties to even), zeros and one huge value.
+    #[test]
+    fn avx2_rounding_equals_the_scalar_form() {
+        if !crate::model::linear::simd::Isa::current().has_avx2() {
+            eprintln!("SKIPPED: no AVX2 on this CPU");
+            return;
+        }
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        };
+        let mut rows: Vec<Vec<f32>> = (0..50)
+            .map(|i| (0..32 * (1 + i % 8)).map(|_| next()).collect())
+            .collect();
+        rows.push((0..64).map(|i| (i as f32 - 31.5) * 127.0 / 32.0).collect());
+        // d = 1: every other value is a tie.
+        rows.push(
+            (0..32)
+                .map(|i| if i == 0 { 127.0 } else { i as f32 / 2.0 - 8.0 })
+                .collect(),
+        );
+        rows.push(vec![0.0; 32]);
+        rows.push(
+            (0..32)
+                .map(|i| if i == 5 { 3e38 } else { next() })
+                .collect(),
+        );
+        for x in rows {
+            let (mut a, mut b) = (vec![0i8; x.len()], vec![0i8; x.len()]);
+            let da = round_x(&x, &mut a);
+            // SAFETY: the CPU has AVX2; x is whole blocks.
+            let db = unsafe { round_x_avx2(&x, &mut b) };
+            assert_eq!(da.to_bits(), db.to_bits());
+            assert_eq!(a, b, "{x:?}");
+        }
     }
 }
