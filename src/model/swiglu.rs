@@ -1,8 +1,11 @@
 //! The dense feed-forward block: `down_proj(silu(gate_proj(x)) * up_proj(x))`, a layer's MLP
 //! in Llama-family models and each expert of a mixture of experts.
 
+use super::attention::decode::exp;
+use super::linear::simd::Isa;
 use super::linear::{linear_b, quantize_all, Linear, Quantizer};
-use candle_core::{Module, Result, Tensor};
+use super::norm::each_row;
+use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
 
 /// `down_proj(silu(gate_proj(x)) * up_proj(x))`.
@@ -42,7 +45,110 @@ impl SwiGlu {
 
 impl Module for SwiGlu {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let ours = gate.device().is_cpu()
+            && [&gate, &up]
+                .iter()
+                .all(|t| t.dtype() == DType::F32 && t.is_contiguous())
+            && gate.dims() == up.dims()
+            && gate.rank() > 0;
+        let h = match ours {
+            true => gate.apply_op2_no_bwd(&up, &SiluMul)?,
+            false => (candle_nn::ops::silu(&gate)? * up)?,
+        };
+        self.down_proj.forward(&h)
+    }
+}
+
+/// `silu(gate) · up` on CPU in f32, in one pass, with the decode op's vectorized exponential
+/// (candle's SiLU calls libm's `expf` per value and is a pass of its own, the product
+/// another: on the AVX2 host a 512-token prompt of SmolLM2-135M Q4_0 spent 7% of its
+/// prefill in `expf`). Rows over [`crate::model::pool::Pool`] for prompts.
+struct SiluMul;
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(g), CpuStorage::F32(u)) = (gs, us) else {
+            return Err(Error::Msg("silu-mul: f32 only".into()));
+        };
+        let (Some((g0, g1)), Some((u0, u1))) = (gl.contiguous_offsets(), ul.contiguous_offsets())
+        else {
+            return Err(Error::Msg("silu-mul: contiguous inputs only".into()));
+        };
+        let (mut out, up) = (g[g0..g1].to_vec(), &u[u0..u1]);
+        let d = gl.dims().last().copied().unwrap_or(0);
+        if d == 0 || up.len() != out.len() {
+            return Err(Error::Msg(format!(
+                "silu-mul: {:?} against {:?}",
+                gl.dims(),
+                ul.dims()
+            )));
+        }
+        let isa = Isa::current();
+        each_row(&mut out, d, |r, row| silu_mul(isa, row, &up[r * d..][..d]));
+        Ok((CpuStorage::F32(out), gl.shape().clone()))
+    }
+}
+
+/// `row = silu(row) · up`, vectorized for AVX2 where the CPU has it.
+fn silu_mul(isa: Isa, row: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: an `Isa` of these kinds exists only on a CPU with AVX2 and FMA.
+        return unsafe { silu_mul_avx2(row, up) };
+    }
+    let _ = isa;
+    silu_mul_plain(row, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(row: &mut [f32], up: &[f32]) {
+    silu_mul_plain(row, up)
+}
+
+/// silu(x) = x · sigmoid(x), sigmoid from e = exp(-|x|) in (0, 1]: 1 / (1 + e) for x >= 0,
+/// e / (1 + e) below, so the exponential never overflows.
+#[inline(always)]
+fn silu_mul_plain(row: &mut [f32], up: &[f32]) {
+    for (x, u) in row.iter_mut().zip(up) {
+        let e = exp(-x.abs());
+        let s = if *x >= 0.0 { 1.0 } else { e } / (1.0 + e);
+        *x = *x * s * u;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fused form against libm's `x / (1 + e^-x) · u` over [-100, 100], on every ISA
+    /// this CPU has.
+    #[test]
+    fn silu_mul_matches_libm() {
+        let xs: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) / 20.0).collect();
+        let up: Vec<f32> = (0..xs.len()).map(|i| 1.0 + (i % 7) as f32 / 4.0).collect();
+        for isa in Isa::supported() {
+            let mut row = xs.clone();
+            silu_mul(isa, &mut row, &up);
+            for ((got, x), u) in row.iter().zip(&xs).zip(&up) {
+                let want = (*x as f64 / (1.0 + (-*x as f64).exp()) * *u as f64) as f32;
+                let err = (got - want).abs() / want.abs().max(1e-30);
+                assert!(
+                    err < 1e-6 || (got - want).abs() < 1e-30,
+                    "silu({x}) · {u}: {got} vs {want}"
+                );
+            }
+        }
     }
 }

@@ -341,6 +341,8 @@ mod each;
 mod tile;
 
 pub use each::attend_each;
+pub(crate) use tile::exp;
+pub(super) use tile::softmax_row;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

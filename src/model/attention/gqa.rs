@@ -93,12 +93,15 @@ impl GqaAttention {
         let q = rope.apply(&q.transpose(1, 2)?)?;
         let k = rope.apply(&k.transpose(1, 2)?)?;
         let v = v.transpose(1, 2)?; // (1, G, N, D)
-                                    // 4. Per sequence: write its tokens into its cache, attend over all it holds
+
+        // 4. Per sequence: write its tokens into its cache; attend over all it holds, the
+        //    single new tokens of a batched step together
         let helds = (spans.iter().zip(caches))
             .map(|(span, cache)| cache.write_held(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos))
             .collect::<Result<Vec<_>>>()?;
         let y = sdpa_spans(&q, &helds, spans, 1.0 / (d as f64).sqrt())?; // (1, N, H·D)
-                                                                         // 5. Heads merged, output projection over every token
+
+        // 5. Heads merged, output projection over every token
         self.o_proj.forward(&y)
     }
 }

@@ -14,7 +14,7 @@
 //! (MLA converted from GQA), the halves are instead folded into `q_proj` and `o_proj`
 //! ([`UpProj::Folded`]) and every span takes the absorbed form.
 
-use super::{join, sdpa, Span};
+use super::{join, sdpa, sdpa_spans, Span};
 
 mod forms;
 use crate::config::{AttentionConfig, MlaConfig, ModelConfig};
@@ -206,7 +206,23 @@ impl MlaAttention {
         };
         let c_kv = c_kv.unsqueeze(1)?;
         let k_pe = self.rotate(rope, &kv.narrow(D::Minus1, r, rope_dim)?.unsqueeze(1)?)?;
-        // 3-4. Per sequence: cache, then attend: (1, H, len, v_head_dim)
+        // 3-4. Folded, over the latent cache on CPU: every span absorbed, the single new
+        //      tokens of a batched step in one loop (`sdpa_spans`)
+        let latent = caches
+            .iter()
+            .all(|c| matches!(c.layer(), LayerCache::Latent { .. }));
+        if matches!(self.up, UpProj::Folded) && latent && x.device().is_cpu() {
+            let helds = (spans.iter().zip(caches))
+                .map(|(span, cache)| {
+                    let (c_kv, k_pe) = (span.rows(&c_kv, 2)?, span.rows(&k_pe, 2)?);
+                    cache.write_held(&c_kv, &k_pe, span.pos)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let q = Tensor::cat(&[&q_nope, &q_pe.to_dtype(q_nope.dtype())?], D::Minus1)?;
+            let y = sdpa_spans(&q, &helds, spans, m.softmax_scale)?; // (1, N, H·r)
+            return self.o_proj.forward(&y.to_dtype(x.dtype())?);
+        }
+        // 3-4. Otherwise per sequence: cache, then attend: (1, H, len, v_head_dim)
         let ys = spans
             .iter()
             .zip(caches)

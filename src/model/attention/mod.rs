@@ -6,6 +6,7 @@ pub mod decode;
 mod gqa;
 mod lowrank;
 mod mla;
+mod softmax;
 
 pub use gqa::GqaAttention;
 pub use lowrank::LowRankAttention;
@@ -259,7 +260,12 @@ pub fn attend(
 ) -> Result<Tensor> {
     let (b, g, _, s) = scores.dims4()?;
     let dv = v.dim(3)?;
-    let att = (scores.to_dtype(DType::F32)? * scale)?;
+    let att = scores.to_dtype(DType::F32)?;
+    if let Some(weights) = mask.and_then(|mask| softmax::masked(&att, scale as f32, mask)) {
+        let att = weights?.to_dtype(v.dtype())?;
+        return att.matmul(v)?.reshape((b, h, t, dv)); // (B, H, T, Dv)
+    }
+    let att = (att * scale)?;
     let att = match mask {
         Some(mask) => att
             .reshape((b, g, h / g, t, s))?
