@@ -6,7 +6,7 @@ pub mod decode;
 mod gqa;
 mod lowrank;
 mod mla;
-mod softmax;
+mod prompt;
 
 pub use gqa::GqaAttention;
 pub use lowrank::LowRankAttention;
@@ -168,7 +168,10 @@ pub fn sdpa(
         return sdpa(&w(q)?, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
     }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
-    let scores = q.matmul(&k.t()?)?; // (B, G, H/G·T, S)
+    let scores = match prompt::products(&q, k) {
+        Some(scores) => scores?,
+        None => q.matmul(&k.t()?)?,
+    }; // (B, G, H/G·T, S)
     attend(&scores, v, h, t, scale, mask)
 }
 
@@ -261,9 +264,13 @@ pub fn attend(
     let (b, g, _, s) = scores.dims4()?;
     let dv = v.dim(3)?;
     let att = scores.to_dtype(DType::F32)?;
-    if let Some(weights) = mask.and_then(|mask| softmax::masked(&att, scale as f32, mask)) {
+    if let Some(weights) = mask.and_then(|mask| prompt::masked(&att, scale as f32, mask)) {
         let att = weights?.to_dtype(v.dtype())?;
-        return att.matmul(v)?.reshape((b, h, t, dv)); // (B, H, T, Dv)
+        let y = match prompt::products(&att, &v.transpose(2, 3)?) {
+            Some(y) => y?,
+            None => att.matmul(v)?,
+        };
+        return y.reshape((b, h, t, dv)); // (B, H, T, Dv)
     }
     let att = (att * scale)?;
     let att = match mask {
