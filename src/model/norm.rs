@@ -85,6 +85,9 @@ impl CustomOp2 for Norm {
 /// `f(r, row)` on each row `r` of `d` values of `out`, in place: in the caller, or over
 /// [`Pool`] when there are many.
 pub(super) fn each_row(out: &mut [f32], d: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if d == 0 {
+        return; // no rows, and no values to touch
+    }
     if out.len() < PARALLEL_FROM {
         out.chunks_exact_mut(d)
             .enumerate()
@@ -111,5 +114,27 @@ unsafe impl Sync for Shared {}
 impl Shared {
     fn at(&self, i: usize) -> *mut f32 {
         self.0.wrapping_add(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The same values as candle-nn's RMSNorm, on few rows (in the caller) and many (on the
+    /// pool).
+    #[test]
+    fn rms_norm_matches_candle_nn() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, 96, &dev)?;
+        for rows in [3, 1000] {
+            let x = Tensor::randn(0f32, 2.0, (1, rows, 96), &dev)?;
+            let got = RmsNorm::new(w.clone(), 1e-5).forward(&x)?;
+            let want = candle_nn::ops::rms_norm(&x, &w, 1e-5)?;
+            let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-6, "{rows} rows: {diff}");
+        }
+        Ok(())
     }
 }

@@ -1,6 +1,6 @@
 //! Rotary position embeddings: frequency tables for default, linear, llama3 and yarn scaling
 //! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels,
-//! on CPU in f32 by [`rows`] instead (see [`super::norm`] for why).
+//! on CPU in f32 by [`rotate_rows`] instead (see [`super::norm`] for why).
 
 use super::norm::each_row;
 use crate::config::{RopeConfig, RopeScaling, YarnScaling};
@@ -128,7 +128,7 @@ impl Rope {
 impl Rotation {
     /// Rotates `x` (B, H, T, D).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = rows(x, &self.cos, &self.sin, self.interleaved) {
+        if let Some(y) = rotate_rows(x, &self.cos, &self.sin, self.interleaved) {
             return y;
         }
         let x = x.contiguous()?;
@@ -153,7 +153,12 @@ impl Rotation {
 /// RoPE of x (B, H, T, D) in any layout whose rows of D are contiguous, with cos and sin (T,
 /// D/2): a contiguous (B, H, T, D), as candle-nn's `rope` (pairs `i, i + D/2`) or `rope_i`
 /// (pairs `2i, 2i + 1`). Reading x as laid out saves the copy a transposed x needed first.
-fn rows(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Option<Result<Tensor>> {
+fn rotate_rows(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Option<Result<Tensor>> {
     let ours = x.device().is_cpu()
         && [x, cos, sin].iter().all(|t| t.dtype() == DType::F32)
         && x.rank() == 4
@@ -222,5 +227,32 @@ impl CustomOp3 for RowRope {
         };
         each_row(&mut out, d, rotate);
         Ok((CpuStorage::F32(out), Shape::from((b, h, t, d))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// candle-nn's `rope` and `rope_i` on a transposed (strided) x, few rows and many.
+    #[test]
+    fn rotate_rows_matches_candle_nn() -> Result<()> {
+        let dev = Device::Cpu;
+        for (t, h) in [(3, 2), (700, 4)] {
+            let x = Tensor::randn(0f32, 1.0, (1, t, h, 32), &dev)?.transpose(1, 2)?;
+            let cos = Tensor::randn(0f32, 1.0, (t, 16), &dev)?;
+            let sin = Tensor::randn(0f32, 1.0, (t, 16), &dev)?;
+            for interleaved in [false, true] {
+                let got = rotate_rows(&x, &cos, &sin, interleaved).expect("taken")?;
+                let xc = x.contiguous()?;
+                let want = match interleaved {
+                    true => candle_nn::rotary_emb::rope_i(&xc, &cos, &sin)?,
+                    false => candle_nn::rotary_emb::rope(&xc, &cos, &sin)?,
+                };
+                let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(diff < 1e-6, "t {t}, interleaved {interleaved}: {diff}");
+            }
+        }
+        Ok(())
     }
 }

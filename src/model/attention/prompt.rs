@@ -21,9 +21,13 @@ const PRODUCT_ROWS: usize = 128;
 
 /// `a · bᵀ` per (batch, group): a (B, G, M, K), b (B, G, N, K) -> (B, G, M, N), f32 on CPU
 /// (else `None`: candle's matmul), in pieces of [`PRODUCT_ROWS`] rows of `a` over the pool
-/// (each piece `prefill::product`, which runs alone inside a pool job).
+/// (each piece `prefill::product`, which runs alone inside a pool job). Only for a prompt's
+/// many query rows (M > 16): it reads b contiguous, a copy of a cache view that a decode
+/// step the fused op does not take (a sliding window) should not pay.
 pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
     let ours = a.device().is_cpu()
+        && a.rank() == 4
+        && a.dims()[2] > 16
         && [a, b]
             .iter()
             .all(|t| t.dtype() == DType::F32 && t.rank() == 4)
@@ -47,7 +51,7 @@ pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
         };
         let (av, bv) = (&av[a0..a1], &bv[b0..b1]);
         let mut y = vec![0f32; bs * g * m * n];
-        let (pieces, out) = (m.div_ceil(PRODUCT_ROWS.max(1)).max(1), Rows(y.as_mut_ptr()));
+        let (pieces, out) = (m.div_ceil(PRODUCT_ROWS).max(1), Rows(y.as_mut_ptr()));
         if k > 0 && m > 0 && n > 0 {
             Pool::global().run(bs * g * pieces, &|i| {
                 let (head, p) = (i / pieces, i % pieces);
@@ -105,8 +109,15 @@ impl CustomOp2 for Masked {
         };
         let (mut out, mask) = (scores[s0..s1].to_vec(), &mask[m0..m1]);
         let (t, s) = ml.shape().dims2()?;
-        if s == 0 || t == 0 || out.len() % (t * s) != 0 {
+        if out.is_empty() {
             return Ok((CpuStorage::F32(out), sl.shape().clone()));
+        }
+        if s == 0 || t == 0 || !out.len().is_multiple_of(t * s) {
+            return Err(Error::Msg(format!(
+                "masked softmax: scores {:?} are not rows of the mask {:?}",
+                sl.dims(),
+                ml.dims()
+            )));
         }
         let (rows, isa, scale) = (out.len() / s, Isa::current(), self.0);
         let shared = Rows(out.as_mut_ptr());

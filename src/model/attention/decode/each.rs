@@ -29,7 +29,7 @@ pub fn attend_each(scale: f32, q: &[f32], h: usize, helds: &[&Held]) -> Result<V
         .map(|held| held.v.storage_and_layout())
         .collect();
     let dk = match ks.first() {
-        Some((_, l)) => l.dims()[3],
+        Some((_, l)) => l.shape().dims4()?.3,
         None => return Ok(Vec::new()),
     };
     if h == 0 || q.len() != helds.len() * h * dk {
@@ -71,11 +71,13 @@ fn run<T: Cached>(
     pages: &[Option<&Pages>],
 ) -> Result<Vec<f32>> {
     let mut heads = Vec::new();
-    let mut dv = 0;
+    let dv = match caches.first() {
+        Some((_, (_, vl))) => vl.shape().dims4()?.3,
+        None => return Ok(Vec::new()),
+    };
     for (bi, (((k, kl), (v, vl)), pages)) in caches.iter().zip(pages).enumerate() {
         let (b, g, rows, kd) = kl.shape().dims4()?;
         let (vb, vg, vrows, vd) = vl.shape().dims4()?;
-        dv = if bi == 0 { vd } else { dv };
         let fits = pages.is_none_or(|p| p.within(rows));
         let len = pages.map_or(rows, Pages::len);
         if b != 1

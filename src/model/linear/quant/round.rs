@@ -144,7 +144,8 @@ unsafe fn rounded8(p: *const f32, inv: std::arch::x86_64::__m256) -> std::arch::
     use std::arch::x86_64::*;
     // SAFETY: the caller's.
     let v = _mm256_mul_ps(unsafe { _mm256_loadu_ps(p) }, inv);
-    // A NaN becomes -127 here and 0 in `round_x`: garbage either way.
+    // A NaN (0 · inf when the scale is subnormal) becomes 0, as `round_x`'s cast makes it.
+    let v = _mm256_and_ps(v, _mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
     let v = _mm256_min_ps(
         _mm256_max_ps(v, _mm256_set1_ps(-127.0)),
         _mm256_set1_ps(127.0),
@@ -303,6 +304,12 @@ mod tests {
                 .collect(),
         );
         rows.push(vec![0.0; 32]);
+        // A subnormal scale: 1/d is infinite, and 0 · inf a NaN that both forms round to 0.
+        rows.push(
+            (0..32)
+                .map(|i| if i % 3 == 0 { 1e-37 } else { 0.0 })
+                .collect(),
+        );
         rows.push(
             (0..32)
                 .map(|i| if i == 5 { 3e38 } else { next() })
