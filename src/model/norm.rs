@@ -1,18 +1,15 @@
-//! RMSNorm on CPU rows without rayon (and the row loop RoPE's CPU form shares,
-//! [`super::rope`]): candle-nn's CPU kernels for both spread their rows over rayon's pool,
-//! and a call from outside that pool hands the work to a rayon thread and waits for it (a
-//! context switch or two), after which the rayon thread spins for more work on the core our
-//! own pool's helper needs. A 30-layer model's decode step makes 61 norms; a batched step 60
-//! rotations more: on the 2-core AVX2 host, 8 sequences of SmolLM2-135M Q4_0 spent 2.4 ms of
-//! a 36 ms step in rotations alone. The work is small (a row of a few hundred values), so it
-//! runs in the caller, or over [`Pool`] for a prompt's many rows. Other dtypes and devices
-//! keep candle-nn's kernels.
+//! RMSNorm on CPU rows without rayon (RoPE's CPU form, [`super::rope`], and the fused SiLU do
+//! the same): candle-nn's CPU kernels spread their rows over rayon's pool, and a call from
+//! outside that pool hands the work to a rayon thread and waits for it (a context switch or
+//! two), after which the rayon thread spins for more work on the core our own pool's helper
+//! needs. A 30-layer model's decode step makes 61 norms; a batched step 60 rotations more: on
+//! the 2-core AVX2 host, 8 sequences of SmolLM2-135M Q4_0 spent 2.4 ms of a 36 ms step in
+//! rotations alone. The work is small (a row of a few hundred values), so it runs in the
+//! caller, or over our pool for a prompt's many rows ([`each_row`]). Other dtypes and
+//! devices keep candle-nn's kernels.
 
-use super::pool::Pool;
+use super::pool::each_row;
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Module, Result, Shape, Tensor};
-
-/// Rows below this many values run in the caller alone.
-const PARALLEL_FROM: usize = 64 * 1024;
 
 /// candle-nn's RMSNorm (the same weight and formula), on CPU in f32 here.
 #[derive(Debug, Clone)]
@@ -79,41 +76,6 @@ impl CustomOp2 for Norm {
             }
         });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
-    }
-}
-
-/// `f(r, row)` on each row `r` of `d` values of `out`, in place: in the caller, or over
-/// [`Pool`] when there are many.
-pub(super) fn each_row(out: &mut [f32], d: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-    if d == 0 {
-        return; // no rows, and no values to touch
-    }
-    if out.len() < PARALLEL_FROM {
-        out.chunks_exact_mut(d)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
-        return;
-    }
-    let (rows, per) = (out.len() / d, PARALLEL_FROM / 4 / d + 1);
-    let shared = Shared(out.as_mut_ptr());
-    Pool::global().run(rows.div_ceil(per), &|c| {
-        for r in c * per..((c + 1) * per).min(rows) {
-            // SAFETY: chunk c alone touches rows c·per.. of `out`, which holds rows · d values.
-            f(r, unsafe {
-                std::slice::from_raw_parts_mut(shared.at(r * d), d)
-            });
-        }
-    });
-}
-
-/// An output that the pool's chunks write in disjoint parts.
-struct Shared(*mut f32);
-// SAFETY: each chunk writes its own rows only (see `each_row`).
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    fn at(&self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
     }
 }
 

@@ -224,3 +224,43 @@ fn helper(s: &Shared) {
         s.active.fetch_sub(1, SeqCst);
     }
 }
+
+/// Rows below this many values run in the caller alone in [`each_row`].
+const PARALLEL_FROM: usize = 64 * 1024;
+
+/// `f(r, row)` on each row `r` of `d` values of `out`, in place: in the caller, or over
+/// the global [`Pool`] when there are many.
+pub fn each_row(out: &mut [f32], d: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if d == 0 {
+        return; // no rows, and no values to touch
+    }
+    if out.len() < PARALLEL_FROM {
+        out.chunks_exact_mut(d)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+        return;
+    }
+    let (rows, per) = (out.len() / d, PARALLEL_FROM / 4 / d + 1);
+    let shared = Disjoint(out.as_mut_ptr());
+    Pool::global().run(rows.div_ceil(per), &|c| {
+        for r in c * per..((c + 1) * per).min(rows) {
+            // SAFETY: chunk c alone touches rows c·per.. of `out`, which holds rows · d values.
+            f(r, unsafe {
+                std::slice::from_raw_parts_mut(shared.at(r * d), d)
+            });
+        }
+    });
+}
+
+/// An output that a job's chunks write in disjoint parts, each its own (what its user
+/// vouches for where it writes through [`Disjoint::at`]).
+pub struct Disjoint(pub *mut f32);
+// SAFETY: its users write disjoint parts only, each from one chunk.
+unsafe impl Sync for Disjoint {}
+
+impl Disjoint {
+    /// A method, not the field: a closure would capture the bare pointer, which is not Sync.
+    pub fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}

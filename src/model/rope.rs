@@ -2,7 +2,7 @@
 //! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels,
 //! on CPU in f32 by [`rotate_rows`] instead (see [`super::norm`] for why).
 
-use super::norm::each_row;
+use super::pool::each_row;
 use crate::config::{RopeConfig, RopeScaling, YarnScaling};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Error, Layout, Result, Shape, Tensor};
 use std::f64::consts::PI;

@@ -4,7 +4,7 @@
 use super::attention::decode::exp;
 use super::linear::simd::Isa;
 use super::linear::{linear_b, quantize_all, Linear, Quantizer};
-use super::norm::each_row;
+use super::pool::each_row;
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
 

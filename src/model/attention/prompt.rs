@@ -13,7 +13,7 @@
 use super::decode::softmax_row;
 use crate::model::linear::prefill::{self, Weights};
 use crate::model::linear::simd::Isa;
-use crate::model::pool::Pool;
+use crate::model::pool::{each_row, Disjoint, Pool};
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Result, Shape, Storage, Tensor};
 
 /// Rows of `a` per piece of work in [`products`].
@@ -51,7 +51,7 @@ pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
         };
         let (av, bv) = (&av[a0..a1], &bv[b0..b1]);
         let mut y = vec![0f32; bs * g * m * n];
-        let (pieces, out) = (m.div_ceil(PRODUCT_ROWS).max(1), Rows(y.as_mut_ptr()));
+        let (pieces, out) = (m.div_ceil(PRODUCT_ROWS).max(1), Disjoint(y.as_mut_ptr()));
         if k > 0 && m > 0 && n > 0 {
             Pool::global().run(bs * g * pieces, &|i| {
                 let (head, p) = (i / pieces, i % pieces);
@@ -85,9 +85,6 @@ pub fn masked(scores: &Tensor, scale: f32, mask: &Tensor) -> Option<Result<Tenso
 
 struct Masked(f32);
 
-/// Rows per chunk of work on the pool.
-const ROWS: usize = 16;
-
 impl CustomOp2 for Masked {
     fn name(&self) -> &'static str {
         "masked-softmax"
@@ -119,39 +116,22 @@ impl CustomOp2 for Masked {
                 ml.dims()
             )));
         }
-        let (rows, isa, scale) = (out.len() / s, Isa::current(), self.0);
-        let shared = Rows(out.as_mut_ptr());
-        Pool::global().run(rows.div_ceil(ROWS), &|c| {
-            for r in c * ROWS..((c + 1) * ROWS).min(rows) {
-                // SAFETY: chunk c alone touches rows c·ROWS.. of `out`, which holds rows · s.
-                let row = unsafe { std::slice::from_raw_parts_mut(shared.at(r * s), s) };
-                let hide = &mask[r % t * s..][..s];
-                for (x, m) in row.iter_mut().zip(hide) {
-                    *x = *x * scale + m;
-                }
-                let (_, total) = softmax_row(isa, row, 1.0);
-                for (x, m) in row.iter_mut().zip(hide) {
-                    *x = if *m == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        *x / total
-                    };
-                }
+        let (isa, scale) = (Isa::current(), self.0);
+        each_row(&mut out, s, |r, row| {
+            let hide = &mask[r % t * s..][..s];
+            for (x, m) in row.iter_mut().zip(hide) {
+                *x = *x * scale + m;
+            }
+            let (_, total) = softmax_row(isa, row, 1.0);
+            for (x, m) in row.iter_mut().zip(hide) {
+                *x = if *m == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    *x / total
+                };
             }
         });
         Ok((CpuStorage::F32(out), sl.shape().clone()))
-    }
-}
-
-/// The output rows, written by the pool's chunks in disjoint parts.
-struct Rows(*mut f32);
-// SAFETY: each chunk writes its own rows only.
-unsafe impl Sync for Rows {}
-
-impl Rows {
-    /// A method, not the field: a closure would capture the bare pointer, which is not Sync.
-    fn at(&self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
     }
 }
 
