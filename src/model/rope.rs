@@ -1,6 +1,6 @@
 //! Rotary position embeddings: frequency tables for default, linear, llama3 and yarn scaling
 //! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels,
-//! on CPU in f32 by [`rotate_rows`] instead (see [`super::norm`] for why).
+//! on CPU in f32 by `rotate_rows` below instead (see [`super::norm`] for why).
 
 use super::pool::each_row;
 use crate::config::{RopeConfig, RopeScaling, YarnScaling};
