@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod block;
+mod cpu;
 pub mod embedding;
 pub mod linear;
 pub mod mlp;

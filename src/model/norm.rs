@@ -8,6 +8,7 @@
 //! caller, or over our pool for a prompt's many rows ([`each_row`]). Other dtypes and
 //! devices keep candle-nn's kernels.
 
+use super::cpu::f32_rows;
 use super::pool::each_row;
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Module, Result, Shape, Tensor};
 
@@ -52,14 +53,10 @@ impl CustomOp2 for Norm {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
-            return Err(Error::Msg("rms-norm: f32 only".into()));
-        };
-        let (Some((x0, x1)), Some((w0, w1))) = (xl.contiguous_offsets(), wl.contiguous_offsets())
-        else {
-            return Err(Error::Msg("rms-norm: x and w must be contiguous".into()));
-        };
-        let (x, w) = (&x[x0..x1], &w[w0..w1]);
+        let (x, w) = (
+            f32_rows(xs, xl, "rms-norm: x")?,
+            f32_rows(ws, wl, "rms-norm: w")?,
+        );
         let n = w.len();
         if xl.dims().last() != Some(&n) || n == 0 {
             return Err(Error::Msg(format!(

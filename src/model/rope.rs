@@ -2,6 +2,7 @@
 //! (as transformers' `modeling_rope_utils` computes them), applied with candle-nn's kernels,
 //! on CPU in f32 by `rotate_rows` below instead (see [`super::norm`] for why).
 
+use super::cpu::f32_rows;
 use super::pool::each_row;
 use crate::config::{RopeConfig, RopeScaling, YarnScaling};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Error, Layout, Result, Shape, Tensor};
@@ -184,15 +185,14 @@ impl CustomOp3 for RowRope {
         ss: &CpuStorage,
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(cos), CpuStorage::F32(sin)) = (xs, cs, ss) else {
+        let CpuStorage::F32(x) = xs else {
             return Err(Error::Msg("rope: f32 only".into()));
         };
         let (b, h, t, d) = xl.shape().dims4()?;
-        let (Some((c0, c1)), Some((s0, s1))) = (cl.contiguous_offsets(), sl.contiguous_offsets())
-        else {
-            return Err(Error::Msg("rope: cos and sin must be contiguous".into()));
-        };
-        let (cos, sin) = (&cos[c0..c1], &sin[s0..s1]);
+        let (cos, sin) = (
+            f32_rows(cs, cl, "rope: cos")?,
+            f32_rows(ss, sl, "rope: sin")?,
+        );
         let half = d / 2;
         if d % 2 != 0 || cos.len() != t * half || sin.len() != t * half || xl.stride()[3] != 1 {
             return Err(Error::Msg(format!(

@@ -2,6 +2,7 @@
 //! in Llama-family models and each expert of a mixture of experts.
 
 use super::attention::decode::exp;
+use super::cpu::f32_rows;
 use super::linear::simd::Isa;
 use super::linear::{linear_b, quantize_all, Linear, Quantizer};
 use super::pool::each_row;
@@ -78,14 +79,8 @@ impl CustomOp2 for SiluMul {
         us: &CpuStorage,
         ul: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(g), CpuStorage::F32(u)) = (gs, us) else {
-            return Err(Error::Msg("silu-mul: f32 only".into()));
-        };
-        let (Some((g0, g1)), Some((u0, u1))) = (gl.contiguous_offsets(), ul.contiguous_offsets())
-        else {
-            return Err(Error::Msg("silu-mul: contiguous inputs only".into()));
-        };
-        let (mut out, up) = (g[g0..g1].to_vec(), &u[u0..u1]);
+        let g = f32_rows(gs, gl, "silu-mul: gate")?;
+        let (mut out, up) = (g.to_vec(), f32_rows(us, ul, "silu-mul: up")?);
         let d = gl.dims().last().copied().unwrap_or(0);
         if d == 0 || up.len() != out.len() {
             return Err(Error::Msg(format!(

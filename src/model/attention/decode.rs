@@ -249,25 +249,42 @@ fn attend_op<T: Cached>(
     (v, vl): (&[T], &Layout),
     (b, h, dk): (usize, usize, usize),
 ) -> Result<Vec<f32>> {
-    let (_, g, rows, _) = kl.shape().dims4()?;
-    let (dv, hg) = (vl.dims()[3], h / g);
-    let mut heads = Vec::with_capacity(b * g);
+    let (rows, dv) = (kl.dims()[2], vl.dims()[3]);
+    let mut heads = Vec::new();
     for bi in 0..b {
-        for gi in 0..g {
-            let (ko, _) = head_offset(kl, bi, gi, "k", false)?;
-            let (vo, vs) = head_offset(vl, bi, gi, "v", true)?;
-            let q0 = (bi * h + gi * hg) * dk;
-            heads.push(Head {
-                q: &q[q0..q0 + hg * dk],
-                k: &k[ko..ko + rows * dk],
-                v: &v[vo..vo + (rows - 1) * vs + dv],
-                vs,
-                pages: op.pages,
-                len: op.pages.map_or(rows, Pages::len),
-            });
-        }
+        let at = (op.pages, op.pages.map_or(rows, Pages::len));
+        push_heads(&mut heads, (q, bi, h, dk), (k, kl), (v, vl), bi, at)?;
     }
     Ok(attend(op.scale, &heads, (dk, dv)))
+}
+
+/// The K/V heads of batch `b` of k's and v's layouts (their rows from pool position 0), for
+/// sequence `s`'s `h` query heads of `dk` values in `q`, at `len` positions read through
+/// `pages` (or the first `len` rows).
+fn push_heads<'a, T: Cached>(
+    heads: &mut Vec<Head<'a, T>>,
+    (q, s, h, dk): (&'a [f32], usize, usize, usize),
+    (k, kl): (&'a [T], &Layout),
+    (v, vl): (&'a [T], &Layout),
+    b: usize,
+    (pages, len): (Option<&'a Pages>, usize),
+) -> Result<()> {
+    let (_, g, rows, _) = kl.shape().dims4()?;
+    let (dv, hg) = (vl.dims()[3], h / g);
+    for gi in 0..g {
+        let (ko, _) = head_offset(kl, b, gi, "k", false)?;
+        let (vo, vs) = head_offset(vl, b, gi, "v", true)?;
+        let q0 = (s * h + gi * hg) * dk;
+        heads.push(Head {
+            q: &q[q0..q0 + hg * dk],
+            k: &k[ko..ko + rows * dk],
+            v: &v[vo..vo + (rows - 1) * vs + dv],
+            vs,
+            pages,
+            len,
+        });
+    }
+    Ok(())
 }
 
 impl CustomOp3 for DecodeAttention<'_> {

@@ -11,6 +11,7 @@
 //! candle's softmax.
 
 use super::decode::softmax_row;
+use crate::model::cpu::f32_rows;
 use crate::model::linear::prefill::{self, Weights};
 use crate::model::linear::simd::Isa;
 use crate::model::pool::{each_row, Disjoint, Pool};
@@ -39,17 +40,11 @@ pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
         let (a, b) = (a.contiguous()?, b.contiguous()?);
         let (sa, la) = a.storage_and_layout();
         let (sb, lb) = b.storage_and_layout();
-        let (Storage::Cpu(CpuStorage::F32(av)), Storage::Cpu(CpuStorage::F32(bv))) = (&*sa, &*sb)
-        else {
-            return Err(Error::Msg("attention products: f32 on CPU only".into()));
+        let (Storage::Cpu(sa), Storage::Cpu(sb)) = (&*sa, &*sb) else {
+            return Err(Error::Msg("attention products: CPU operands only".into()));
         };
-        let (Some((a0, a1)), Some((b0, b1))) = (la.contiguous_offsets(), lb.contiguous_offsets())
-        else {
-            return Err(Error::Msg(
-                "attention products: contiguous operands only".into(),
-            ));
-        };
-        let (av, bv) = (&av[a0..a1], &bv[b0..b1]);
+        let av = f32_rows(sa, la, "attention products: a")?;
+        let bv = f32_rows(sb, lb, "attention products: b")?;
         let mut y = vec![0f32; bs * g * m * n];
         let (pieces, out) = (m.div_ceil(PRODUCT_ROWS).max(1), Disjoint(y.as_mut_ptr()));
         if k > 0 && m > 0 && n > 0 {
@@ -97,14 +92,8 @@ impl CustomOp2 for Masked {
         ms: &CpuStorage,
         ml: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(scores), CpuStorage::F32(mask)) = (ss, ms) else {
-            return Err(Error::Msg("masked softmax: f32 only".into()));
-        };
-        let (Some((s0, s1)), Some((m0, m1))) = (sl.contiguous_offsets(), ml.contiguous_offsets())
-        else {
-            return Err(Error::Msg("masked softmax: contiguous inputs only".into()));
-        };
-        let (mut out, mask) = (scores[s0..s1].to_vec(), &mask[m0..m1]);
+        let scores = f32_rows(ss, sl, "masked softmax: scores")?;
+        let (mut out, mask) = (scores.to_vec(), f32_rows(ms, ml, "masked softmax: mask")?);
         let (t, s) = ml.shape().dims2()?;
         if out.is_empty() {
             return Ok((CpuStorage::F32(out), sl.shape().clone()));

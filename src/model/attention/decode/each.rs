@@ -8,7 +8,7 @@
 //! per sequence. The caches are tensors of their own (one pool's shared tensors, or one
 //! per sequence), more than a candle op takes, so this reads their storages directly.
 
-use super::{attend, bits, head_offset, Cached, Head};
+use super::{attend, bits, push_heads, Cached};
 use crate::kv_cache::{Held, Pages};
 use crate::model::linear::simd;
 use candle_core::{CpuStorage, Error, Layout, Result, Storage};
@@ -98,20 +98,14 @@ fn run<T: Cached>(
                 vl.dims()
             )));
         }
-        let hg = h / g;
-        for gi in 0..g {
-            let (ko, _) = head_offset(kl, 0, gi, "k", false)?;
-            let (vo, vs) = head_offset(vl, 0, gi, "v", true)?;
-            let q0 = (bi * h + gi * hg) * dk;
-            heads.push(Head {
-                q: &q[q0..q0 + hg * dk],
-                k: &k[ko..ko + rows * dk],
-                v: &v[vo..vo + (rows - 1) * vs + dv],
-                vs,
-                pages: *pages,
-                len,
-            });
-        }
+        push_heads(
+            &mut heads,
+            (q, bi, h, dk),
+            (k, kl),
+            (v, vl),
+            0,
+            (*pages, len),
+        )?;
     }
     Ok(attend(scale, &heads, (dk, dv)))
 }
