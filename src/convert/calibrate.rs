@@ -1,11 +1,16 @@
-//! One forward of the original model over a calibration text, keeping of each layer only
-//! the second moment of its attention's input: every activation-aware fit is computed
-//! from these (keys, values and queries are linear in the input), so the text is read once.
+//! The original model over its calibration text ([`run`]: the text given, the shipped one,
+//! or the text the original writes itself for `--heal`): one forward keeping of each layer
+//! only the second moment of its attention's input (every activation-aware fit is computed
+//! from these: keys, values and queries are linear in the input, so the text is read once),
+//! and for `--heal` its input windows and next-token targets.
 
+use super::{heal, own_text, Request, Stage, DEFAULT_CALIBRATION};
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
+use crate::loader::{DTypeArg, Source};
 use crate::model::{Transformer, PREFILL_CHUNK};
 use candle_core::{DType, Device, Tensor};
+use std::time::Instant;
 
 /// Windows longer than this restart the cache: calibration wants many inputs, not long
 /// contexts, and attention over a long window costs more than the products.
@@ -110,4 +115,83 @@ pub fn windows(
         .into_iter()
         .map(|xs| Ok(Tensor::stack(&xs, 0)?))
         .collect()
+}
+
+/// What the original model gave on the calibration text.
+#[derive(Default)]
+pub(super) struct Calibration {
+    pub(super) moments: Option<Moments>,
+    pub(super) windows: Option<Vec<Tensor>>,
+    /// The original's next-token distribution, for end-to-end healing.
+    pub(super) targets: Option<heal::Targets>,
+    pub(super) tokens: usize,
+    /// Seconds spent getting the text's tokens (the original writing its own).
+    pub(super) text_secs: f64,
+    /// Seconds of the original's forwards over it.
+    pub(super) secs: f64,
+    /// The text the original wrote itself, when it did.
+    pub(super) own_text: Option<String>,
+}
+
+/// The original model in f32 on `device` over the calibration text: each layer's input
+/// moments (for `aware`) and input windows (for `--heal`).
+pub(super) fn run(
+    source: &Source,
+    req: &Request,
+    moments: bool,
+    heal: Option<heal::Heal>,
+    device: &Device,
+    progress: &mut impl FnMut(Stage, usize, usize),
+) -> Result<Calibration> {
+    let original = source.load(DTypeArg::Fixed(DType::F32), device)?;
+    let tokenizer = original.tokenizer.as_ref().ok_or_else(|| {
+        Error::Invalid(
+            "--attention: method=aware and --heal need the model's tokenizer.json".into(),
+        )
+    })?;
+    let start = Instant::now();
+    let mut own = None;
+    let ids = match (&req.calibration, heal) {
+        (Some(text), _) => tokenizer.encode(text)?,
+        // Training end to end wants far more text than ships: the original writes it.
+        (None, Some(h)) if h.steps > 0 => {
+            let ids = own_text::write(&original, h.tokens, 0, |done, n| {
+                progress(Stage::Writing, done, n)
+            })?;
+            let text = tokenizer.inner().decode(&ids, false);
+            own = Some(text.map_err(|e| Error::Tokenizer(e.to_string()))?);
+            ids
+        }
+        (None, _) => tokenizer.encode(DEFAULT_CALIBRATION)?,
+    };
+    let text_secs = start.elapsed().as_secs_f64();
+    let mut out = Calibration {
+        tokens: ids.len(),
+        text_secs,
+        own_text: own,
+        ..Default::default()
+    };
+    if moments {
+        let m = measure(&original.model, &ids, |done| {
+            progress(Stage::Calibrating, done, ids.len())
+        })?;
+        out.moments = Some(m);
+    }
+    if let Some(h) = heal {
+        let (window, count) = (heal::WINDOW, heal::WINDOWS);
+        let w = windows(&original.model, &ids, window, count, |done, n| {
+            progress(Stage::Calibrating, done * window, n * window)
+        })?;
+        out.windows = Some(w);
+        if h.steps > 0 {
+            let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
+                progress(Stage::Calibrating, done * window, n * window)
+            })?;
+            out.targets = Some(t);
+        }
+    }
+    // A GPU's queued work finishes before the clock is read.
+    device.synchronize()?;
+    out.secs = start.elapsed().as_secs_f64() - text_secs;
+    Ok(out)
 }

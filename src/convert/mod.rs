@@ -29,7 +29,7 @@ use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::loader::{DTypeArg, Loaded, Source, Stored};
 use calibrate::Moments;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use gqa::Heads;
 use std::collections::HashMap;
@@ -134,9 +134,9 @@ impl Conversion {
         let heads = heads(cfg, &plan, req.heal.is_some())?;
         let aware = plan.method == Method::Aware && !plan.is_exact();
         let healing = req.heal.filter(|_| !plan.is_exact());
-        let mut calibration = Calibration::default();
+        let mut calibration = calibrate::Calibration::default();
         if aware || healing.is_some() {
-            calibration = calibrate(source, req, aware, healing, device, &mut progress)?;
+            calibration = calibrate::run(source, req, aware, healing, device, &mut progress)?;
         }
         let mut healer = match (healing, &calibration.windows) {
             (Some(h), Some(windows)) => {
@@ -273,83 +273,4 @@ fn heads(cfg: &ModelConfig, plan: &Plan, heal: bool) -> Result<Heads> {
         d: head_dim,
         interleaved: cfg.rope.interleaved,
     })
-}
-
-/// What the original model gave on the calibration text.
-#[derive(Default)]
-struct Calibration {
-    moments: Option<Moments>,
-    windows: Option<Vec<Tensor>>,
-    /// The original's next-token distribution, for end-to-end healing.
-    targets: Option<heal::Targets>,
-    tokens: usize,
-    /// Seconds spent getting the text's tokens (the original writing its own).
-    text_secs: f64,
-    /// Seconds of the original's forwards over it.
-    secs: f64,
-    /// The text the original wrote itself, when it did.
-    own_text: Option<String>,
-}
-
-/// The original model in f32 on `device` over the calibration text: each layer's input
-/// moments (for `aware`) and input windows (for `--heal`).
-fn calibrate(
-    source: &Source,
-    req: &Request,
-    moments: bool,
-    heal: Option<heal::Heal>,
-    device: &Device,
-    progress: &mut impl FnMut(Stage, usize, usize),
-) -> Result<Calibration> {
-    let original = source.load(DTypeArg::Fixed(DType::F32), device)?;
-    let tokenizer = original.tokenizer.as_ref().ok_or_else(|| {
-        Error::Invalid(
-            "--attention: method=aware and --heal need the model's tokenizer.json".into(),
-        )
-    })?;
-    let start = Instant::now();
-    let mut own = None;
-    let ids = match (&req.calibration, heal) {
-        (Some(text), _) => tokenizer.encode(text)?,
-        // Training end to end wants far more text than ships: the original writes it.
-        (None, Some(h)) if h.steps > 0 => {
-            let ids = own_text::write(&original, h.tokens, 0, |done, n| {
-                progress(Stage::Writing, done, n)
-            })?;
-            let text = tokenizer.inner().decode(&ids, false);
-            own = Some(text.map_err(|e| Error::Tokenizer(e.to_string()))?);
-            ids
-        }
-        (None, _) => tokenizer.encode(DEFAULT_CALIBRATION)?,
-    };
-    let text_secs = start.elapsed().as_secs_f64();
-    let mut out = Calibration {
-        tokens: ids.len(),
-        text_secs,
-        own_text: own,
-        ..Default::default()
-    };
-    if moments {
-        let m = calibrate::measure(&original.model, &ids, |done| {
-            progress(Stage::Calibrating, done, ids.len())
-        })?;
-        out.moments = Some(m);
-    }
-    if let Some(h) = heal {
-        let (window, count) = (heal::WINDOW, heal::WINDOWS);
-        let w = calibrate::windows(&original.model, &ids, window, count, |done, n| {
-            progress(Stage::Calibrating, done * window, n * window)
-        })?;
-        out.windows = Some(w);
-        if h.steps > 0 {
-            let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
-                progress(Stage::Calibrating, done * window, n * window)
-            })?;
-            out.targets = Some(t);
-        }
-    }
-    // A GPU's queued work finishes before the clock is read.
-    device.synchronize()?;
-    out.secs = start.elapsed().as_secs_f64() - text_secs;
-    Ok(out)
 }
