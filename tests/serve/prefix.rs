@@ -99,7 +99,10 @@ fn a_chat_prefills_only_its_new_turn() {
 
 #[test]
 fn a_prompt_sharing_a_running_requests_prefix_shares_its_blocks_and_answers_the_same() {
-    let server = Server::start(&["--max-batch", "2"]);
+    // Every step takes at least 20 ms, so the first request (90 tokens) is surely still running
+    // when the second arrives: a fast host once finished it first, and its whole prompt was
+    // then cached as a finished sequence's (150 positions, not the 128 of whole blocks).
+    let server = Server::start_with_env(&["--max-batch", "2"], &[("TINY_DECODER_FAULT", "slow")]);
     let shared: Vec<u32> = (0..150).map(|i| 3 + (i * 11 % 500)).collect();
     let mut first = shared.clone();
     first.extend([7, 8, 9]);
