@@ -321,27 +321,36 @@ def check_concurrent(binary, srv):
         expect_same(r.choices[0].text, r.choices[0].finish_reason, r.usage, g)
 
 
-def check_disconnect(srv):
-    c = srv.client()
-    stream = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=250,
-                                  temperature=0, stream=True)
-    next(iter(stream))
-    stream.close()
-    deadline = time.time() + 30
-    while not any("client went away" in line for line in srv.log):
-        assert time.time() < deadline, "".join(srv.log)
-        time.sleep(0.05)
-    r = c.completions.create(model=MODEL, prompt="JULIET:", max_tokens=5)
-    assert r.choices[0].finish_reason in ("stop", "length")
+# The scheduler's slow fault (debug builds only: CI runs this against target/debug): every
+# step takes at least 20 ms, so a stream outlives its client and requests sent together
+# overlap on any host, however fast.
+SLOW = {"TINY_DECODER_FAULT": "slow"}
+
+
+def check_disconnect(binary):
+    with Server(binary, [], env=SLOW) as srv:
+        c = srv.client()
+        stream = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=250,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        deadline = time.time() + 30
+        while not any("client went away" in line for line in srv.log):
+            assert time.time() < deadline, "".join(srv.log)
+            time.sleep(0.05)
+        r = c.completions.create(model=MODEL, prompt="JULIET:", max_tokens=5)
+        assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def check_full_queue(binary):
-    with Server(binary, ["--max-batch", "1", "--max-queue", "1"]) as srv:
+    with Server(binary, ["--max-batch", "1", "--max-queue", "1"], env=SLOW) as srv:
         c = srv.client()
 
         def ask(_):
             try:
-                c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=250)
+                c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=50,
+                                     extra_body={"ignore_eos": True})
                 return 200
             except openai.RateLimitError:
                 return 429
@@ -403,7 +412,7 @@ def main():
                 ("tools", lambda: check_tools(binary, tmp)),
                 ("structured output", lambda: check_structured(srv, chat_srv, model_dir)),
                 ("16 concurrent", lambda: check_concurrent(binary, srv)),
-                ("disconnect", lambda: check_disconnect(srv)),
+                ("disconnect", lambda: check_disconnect(binary)),
                 ("full queue", lambda: check_full_queue(binary)),
                 ("errors", lambda: check_errors(binary, srv)),
             ]

@@ -43,6 +43,7 @@ pub async fn serve(
     app: Router,
     limits: &Limits,
     cancel: Arc<AtomicBool>,
+    mut signals: UnboundedReceiver<()>,
 ) -> Result<()> {
     let app = app.layer(middleware::from_fn_with_state(
         limits.body_timeout,
@@ -53,7 +54,6 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
-    let mut signals = signals();
     loop {
         let permit = tokio::select! {
             permit = connections.clone().acquire_owned() => permit,
@@ -149,19 +149,25 @@ async fn signal(signals: &mut UnboundedReceiver<()>) {
     }
 }
 
-/// One message per SIGINT (Ctrl-C) or SIGTERM.
-fn signals() -> UnboundedReceiver<()> {
+/// One message per SIGINT (Ctrl-C) or SIGTERM. The handlers are installed here, before the
+/// caller prints its address, so that a signal sent as soon as it listens is one of ours.
+pub fn signals() -> UnboundedReceiver<()> {
     let (tx, rx) = unbounded_channel();
-    let interrupts = tx.clone();
-    tokio::spawn(async move {
-        while tokio::signal::ctrl_c().await.is_ok() && interrupts.send(()).is_ok() {}
-    });
     #[cfg(unix)]
-    tokio::spawn(async move {
+    {
         use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            while term.recv().await.is_some() && tx.send(()).is_ok() {}
+        for kind in [SignalKind::interrupt(), SignalKind::terminate()] {
+            if let Ok(mut sig) = signal(kind) {
+                let tx = tx.clone();
+                tokio::spawn(
+                    async move { while sig.recv().await.is_some() && tx.send(()).is_ok() {} },
+                );
+            }
         }
-    });
+    }
+    #[cfg(not(unix))]
+    tokio::spawn(
+        async move { while tokio::signal::ctrl_c().await.is_ok() && tx.send(()).is_ok() {} },
+    );
     rx
 }

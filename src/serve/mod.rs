@@ -156,7 +156,8 @@ async fn listen(app: axum::Router, opts: &Options, cancel: Arc<AtomicBool>) -> R
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Serve(format!("cannot read the bound address: {e}")))?;
+    let signals = http::signals();
     // Tests and scripts read this line for the port that `--port 0` picked.
     eprintln!("listening on http://{addr}");
-    http::serve(listener, app, &opts.limits, cancel).await
+    http::serve(listener, app, &opts.limits, cancel, signals).await
 }

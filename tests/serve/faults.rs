@@ -180,6 +180,8 @@ fn stalled_clients_are_shed_and_a_normal_client_is_served() {
 fn sigterm_with_a_stalled_client_exits_within_the_shutdown_timeout() {
     let mut server = Server::start(&["--shutdown-timeout", "1", "--body-timeout", "600"]);
     let _body = stalled(&server, HALF_BODY);
+    // Connections are accepted in order: once /health is answered the stalled one is held.
+    assert_eq!(server.get("/health").0, 200);
     std::thread::sleep(Duration::from_millis(200));
     let start = Instant::now();
     let status = server.terminate();

@@ -15,10 +15,17 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_tiny-decoder");
 /// Longest any one call may take; the tiny model answers in well under a second.
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The scheduler's slow fault (debug builds, as `cargo test` makes them): every step takes
+/// at least 20 ms, so requests sent together overlap on any host, however fast.
+pub const SLOW: &[(&str, &str)] = &[("TINY_DECODER_FAULT", "slow")];
+
 pub struct Server {
     child: Child,
     pub url: String,
     log: Arc<Mutex<String>>,
+    /// The thread that copies stderr into `log`: joined once the server exits, so that its
+    /// last lines are in the log when `wait_exit` returns.
+    reader: Option<std::thread::JoinHandle<()>>,
     agent: ureq::Agent,
 }
 
@@ -44,7 +51,7 @@ impl Server {
         let log = Arc::new(Mutex::new(String::new()));
         let (tx, rx) = mpsc::channel();
         let kept = log.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Some(url) = line.strip_prefix("listening on ") {
                     let _ = tx.send(url.to_string());
@@ -59,6 +66,7 @@ impl Server {
             child,
             url: String::new(),
             log,
+            reader: Some(reader),
             agent,
         };
         match rx.recv_timeout(TIMEOUT) {
@@ -138,6 +146,9 @@ impl Server {
         let start = Instant::now();
         while start.elapsed() < TIMEOUT {
             if let Some(status) = self.child.try_wait().expect("wait") {
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
                 return status;
             }
             std::thread::sleep(Duration::from_millis(20));

@@ -13,7 +13,7 @@ mod prefix;
 mod structured;
 mod tools;
 
-use harness::{finish_reason, generate, streamed_text, Server};
+use harness::{finish_reason, generate, streamed_text, Server, SLOW};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -240,8 +240,10 @@ fn sixteen_concurrent_greedy_requests_each_equal_generate() {
 
 #[test]
 fn a_client_that_leaves_mid_stream_is_dropped_and_others_are_served() {
-    let server = Server::start(&["--max-batch", "1"]);
-    let body = json!({"prompt": "ROMEO:", "max_tokens": 250, "temperature": 0, "stream": true});
+    // Slow steps and no EOS: the stream runs 5 s at least, long after the client has gone.
+    let server = Server::start_with_env(&["--max-batch", "1"], SLOW);
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 250, "temperature": 0, "stream": true,
+                      "ignore_eos": true});
     let mut events = BufReader::new(server.open_stream("/v1/completions", &body));
     let mut first = String::new();
     events.read_line(&mut first).unwrap();
@@ -262,8 +264,10 @@ fn a_client_that_leaves_mid_stream_is_dropped_and_others_are_served() {
 
 #[test]
 fn a_full_queue_answers_429() {
-    let server = Server::start(&["--max-batch", "1", "--max-queue", "1"]);
-    let body = json!({"prompt": "ROMEO:", "max_tokens": 250, "temperature": 0});
+    // Slow steps and no EOS: each request runs 1 s at least, so the ten overlap on any host.
+    let server = Server::start_with_env(&["--max-batch", "1", "--max-queue", "1"], SLOW);
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0,
+                      "ignore_eos": true});
     let replies: Vec<(u16, Value)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..10)
             .map(|_| scope.spawn(|| server.post("/v1/completions", &body)))

@@ -2,7 +2,7 @@
 //! the same memory, and when the pool runs short the requests admitted last are preempted
 //! (their blocks given back) and recomputed later, answering exactly as they would alone.
 
-use super::harness::Server;
+use super::harness::{Server, SLOW};
 use serde_json::{json, Value};
 
 /// tiny-gqa's K/V: 2,048 bytes a token, 65,536 a block of 32 positions.
@@ -33,7 +33,9 @@ fn short_requests_run_more_at_once_than_fixed_caches_would_fit() {
     // Two caches' worth of --context 256: 16 blocks. Eight requests of 40 + 8 tokens need
     // two blocks each, so all eight run together.
     let memory = (16 * BLOCK_BYTES).to_string();
-    let server = Server::start(&["--kv-memory", &memory, "--max-batch", "8"]);
+    // Every step takes at least 20 ms (the scheduler's slow fault), so the eight arrive
+    // within a step or two of each other on any host, not one after another's end.
+    let server = Server::start_with_env(&["--kv-memory", &memory, "--max-batch", "8"], SLOW);
     let bodies: Vec<Value> = (0..8)
         .map(|i| {
             json!({"prompt": prompt(i, 40), "max_tokens": 8, "temperature": 0,
@@ -70,7 +72,8 @@ fn requests_preempted_for_blocks_resume_and_answer_as_alone() {
 
 fn preempted(attention: &[&str], memory: &str) {
     let args = [attention, &["--kv-memory", memory, "--max-batch", "4"]].concat();
-    let server = Server::start(&args);
+    // Slow steps (20 ms at least): the four overlap enough to run out of blocks on any host.
+    let server = Server::start_with_env(&args, SLOW);
     let bodies: Vec<Value> = (0..4)
         .map(|i| {
             json!({"prompt": prompt(i, 40), "max_tokens": 100, "temperature": 0,

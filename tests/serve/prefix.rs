@@ -3,7 +3,7 @@
 //! blocks of 32 positions) prefills only the rest, reports it as
 //! `prompt_tokens_details.cached_tokens`, and answers as if nothing were cached.
 
-use super::harness::Server;
+use super::harness::{Server, SLOW};
 use super::logprobs::greedy_ids;
 use super::tiny_with_template;
 use serde_json::{json, Value};
@@ -99,11 +99,13 @@ fn a_chat_prefills_only_its_new_turn() {
 
 #[test]
 fn a_prompt_sharing_a_running_requests_prefix_shares_its_blocks_and_answers_the_same() {
-    // Every step takes at least 20 ms, so the first request (90 tokens) is surely still running
-    // when the second arrives: a fast host once finished it first, and its whole prompt was
-    // then cached as a finished sequence's (150 positions, not the 128 of whole blocks).
-    let server = Server::start_with_env(&["--max-batch", "2"], &[("TINY_DECODER_FAULT", "slow")]);
-    let shared: Vec<u32> = (0..150).map(|i| 3 + (i * 11 % 500)).collect();
+    // A running sequence offers each block as it fills: the second request must arrive
+    // before the first fills its fifth (positions 128..160: 27 tokens after its 133-token
+    // prompt). Every step takes at least 20 ms here (the scheduler's slow fault), so that is
+    // half a second away on any host; a fast host once finished the whole first request
+    // before the second arrived.
+    let server = Server::start_with_env(&["--max-batch", "2"], SLOW);
+    let shared: Vec<u32> = (0..130).map(|i| 3 + (i * 11 % 500)).collect();
     let mut first = shared.clone();
     first.extend([7, 8, 9]);
     let body = json!({"prompt": first, "max_tokens": 90, "temperature": 0, "stream": true,
@@ -113,14 +115,15 @@ fn a_prompt_sharing_a_running_requests_prefix_shares_its_blocks_and_answers_the_
     let mut line = String::new();
     while !line.starts_with("data: {") {
         line.clear();
-        std::io::BufRead::read_line(&mut stream, &mut line).unwrap();
+        let read = std::io::BufRead::read_line(&mut stream, &mut line).unwrap();
+        assert!(read > 0, "the stream ended before its first chunk");
     }
     let mut second = shared.clone();
     second.extend([40, 41, 42, 43]);
     let body = json!({"prompt": second, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
     let (status, reply) = server.post("/v1/completions", &body);
     assert_eq!(status, 200, "{reply}");
-    // The whole blocks the running request filled (150 positions: 4 blocks of 32).
+    // The whole blocks the running request filled of the shared 130 positions: 4 of 32.
     let cached = &reply["usage"]["prompt_tokens_details"]["cached_tokens"];
     assert_eq!(cached, shared.len() / 32 * 32, "{reply}");
     let fresh = Server::start(&[]);
