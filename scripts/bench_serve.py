@@ -32,9 +32,20 @@ first first-chunk to the last last-chunk. Medians over `--rounds`. Python stdlib
             positions`, more sequences at once (peak num_requests_running, /metrics polled
             every 0.5 s) than fixed slots of C positions would fit in B bytes.
 
+  long:     with `--long P`, instead of the rounds: `--streams` (16) requests at once, each with
+            its own ~P-token prompt (no two share a block), on `--model` and every `--compare`
+            model (each its own `serve --max-batch --context`, kept up together). Per model, a
+            cold round first (every prompt prefilled, 128 tokens a step while the others
+            decode: its wall time, until every stream is answered, is reported), then `--rounds`
+            warm rounds, alternating between the models, of the same prompts: their blocks are
+            cached by then, so the streams decode together over P positions each (the
+            aggregate of many long-context sequences, where a smaller KV cache should pay).
+
 usage:
   scripts/bench_serve.py [--model target/models/smollm2-135m-instruct] [--dtype f32]
       [--tokens 128] [--streams 8] [--burst 32] [--rounds 3] [--max-batch 8] [--constrained]
+  scripts/bench_serve.py --long 3000 --model A --compare B [--compare C] [--dtype bf16]
+      [--streams 16] [--max-batch 16] [--context 3100] [--tokens 64] [--rounds 3]
   scripts/bench_serve.py --pool [--clients 64] [--duration 120] [--context 3300] [--tokens 32]
       [--kv-memory BYTES] [--max-batch 64]
 Writes target/bench_serve-DATE.json (with --pool, target/bench_serve_pool-DATE.json) and prints
@@ -133,18 +144,18 @@ def stream(port, prompt, tokens, out, extra=None):
                 "tokens": n, "finish": finish})
 
 
-def run_round(port, count, tokens, extra=None):
+def run_round(port, count, tokens, extra=None, prompts=PROMPTS):
     out, threads = [], []
     for i in range(count):
         t = threading.Thread(target=stream,
-                             args=(port, PROMPTS[i % len(PROMPTS)], tokens, out, extra))
+                             args=(port, prompts[i % len(prompts)], tokens, out, extra))
         threads.append(t)
         t.start()
     for t in threads:
         t.join()
     ok = [r for r in out if "error" not in r and r["first"]]
     if not ok:
-        return {"answered": 0, "requests": count}
+        return {"answered": 0, "requests": count, "errors": [r.get("error") for r in out]}
     span = max(r["last"] for r in ok) - min(r["first"] for r in ok)
     decoded = sum(r["tokens"] - 1 for r in ok)
     ttfts = sorted(r["ttft"] for r in ok)
@@ -443,6 +454,93 @@ def pool(args):
     return 0 if all(ok for _, ok in checks) else 1
 
 
+def long_prompts(port, count, tokens):
+    """`count` prompts of about `tokens` tokens each, every one its own text from its first
+    block on: the handbook's sentences from a different start, cut to the length the server's
+    tokenizer gives (its usage of a probe text) and checked on the first prompt."""
+    sentences = handbook(40 * count + 4 * tokens).split(". ")
+
+    def usage(prompt):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+            {"Content-Type": "application/json"})
+        reply = json.loads(conn.getresponse().read())
+        if "usage" not in reply:
+            sys.exit(f"sizing the prompts: {reply}")
+        return reply["usage"]["prompt_tokens"]
+
+    probe = ". ".join(sentences[40:50])
+    chars = int(0.97 * tokens * len(probe) / usage(probe))
+    texts = [(f"Document {i}: " + ". ".join(sentences[40 * i:]))[:chars].rsplit(". ", 1)[0]
+             + ". " + PROMPTS[i % len(PROMPTS)] for i in range(count)]
+    print(f"long prompts: {chars} characters, the first {usage(texts[0])} tokens",
+          file=sys.stderr)
+    return texts
+
+
+def long_context(args):
+    """`--long`: see the header. Returns the exit status."""
+    global MODEL
+    servers = {}
+    try:
+        for model in [args.model, *args.compare]:
+            one = argparse.Namespace(**{**vars(args), "model": model})
+            proc, port, banner = start_server(one, extra=("--context", str(args.context)))
+            kv = re.search(r"KV cache: .*", banner)
+            servers[model] = (proc, port, kv.group(0) if kv else "")
+            print(f"{model}: {servers[model][2]}", file=sys.stderr)
+        rounds = {m: {"cold": None, "warm": []} for m in servers}
+        prompts = {}
+        for model, (proc, port, _) in servers.items():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("GET", "/v1/models")
+            MODEL = json.loads(conn.getresponse().read())["data"][0]["id"]
+            prompts[model] = (MODEL, long_prompts(port, args.streams, args.long))
+            start = time.time()
+            got = run_round(port, args.streams, args.tokens, prompts=prompts[model][1])
+            got["wall_s"] = time.time() - start
+            rounds[model]["cold"] = got
+            print(f"{model} cold: " + json.dumps(got), file=sys.stderr)
+        for r in range(args.rounds):
+            order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+            for model in order:
+                MODEL, texts = prompts[model]
+                got = run_round(servers[model][1], args.streams, args.tokens, prompts=texts)
+                rounds[model]["warm"].append(got)
+                print(f"round {r + 1} {model}: " + json.dumps(got), file=sys.stderr)
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
+    med = lambda model, key: statistics.median(g[key] for g in rounds[model]["warm"])
+    base = med(args.model, "aggregate_tok_s")
+    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": ")
+              if os.path.exists("/proc/cpuinfo") else "",
+              "dtype": args.dtype or "auto", "prompt_tokens": args.long, "tokens": args.tokens,
+              "streams": args.streams, "max_batch": args.max_batch, "context": args.context,
+              "models": {m: {"kv_line": servers[m][2], "rounds": rounds[m],
+                             "warm_aggregate_tok_s": med(m, "aggregate_tok_s"),
+                             "cold_wall_s": rounds[m]["cold"]["wall_s"]}
+                         for m in servers}}
+    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
+    path = os.path.join(ROOT, "target", f"bench_serve_long-{datetime.date.today():%Y%m%d}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"| model | KV per token | {args.streams} streams of ~{args.long} tokens: decode "
+          f"aggregate, warm (vs first) | cold: all answered in |")
+    print("|---|---|---|---|")
+    for m in servers:
+        warm, cold = med(m, "aggregate_tok_s"), rounds[m]["cold"]["wall_s"]
+        per = re.search(r"(\d+) bytes per token", servers[m][2])
+        print(f"| {os.path.basename(m.rstrip('/'))} | {per.group(1) if per else '?'} B "
+              f"| {warm:.1f} tok/s ({warm / base:.2f}x) | {cold:.0f} s |")
+    print(f"written {path}", file=sys.stderr)
+    short = [g["short"] + g["requests"] - g["answered"] for m in rounds for g in rounds[m]["warm"]]
+    return 1 if any(short) else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     default_model = os.path.join(ROOT, "target/models/smollm2-135m-instruct")
@@ -460,6 +558,10 @@ def main():
     ap.add_argument("--duration", type=float, default=120)
     ap.add_argument("--context", type=int, default=3300)
     ap.add_argument("--kv-memory", default=None, help="passed to serve (bytes; 2G, 512M)")
+    ap.add_argument("--long", type=int, default=0, metavar="P",
+                    help="long-context rounds with prompts of ~P tokens instead (see the header)")
+    ap.add_argument("--compare", action="append", default=[], metavar="MODEL",
+                    help="with --long: another model measured in the same rounds")
     args = ap.parse_args()
     if args.model == default_model and not os.path.isdir(args.model):  # another HF directory there
         models = os.path.join(ROOT, "target", "models")
@@ -467,9 +569,14 @@ def main():
                        if os.path.exists(os.path.join(models, d, "config.json")))
         args.model = os.path.join(models, found[0]) if found else args.model
     args.tokens = args.tokens or (32 if args.pool else 128)
-    args.max_batch = args.max_batch or (64 if args.pool else 8)
+    args.max_batch = args.max_batch or (64 if args.pool else 16 if args.long else 8)
     if args.pool:
         sys.exit(pool(args))
+    if args.long:
+        args.streams = args.streams if "--streams" in sys.argv else 16
+        args.tokens = args.tokens if "--tokens" in sys.argv else 64
+        args.context = args.context if "--context" in sys.argv else args.long + 100
+        sys.exit(long_context(args))
     global MODEL
     proc, port, banner = start_server(args)
     try:
