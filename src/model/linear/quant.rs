@@ -134,6 +134,8 @@ pub struct QWeight {
 pub struct QRows {
     cols: usize,
     /// Values per scale: [`BLOCK`], or [`kquant::QK_K`].
+    // Read by the x86 kernels only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     span: usize,
     scales: Vec<f32>,
     /// Per block, `d · Σ q`: what a Q4_1 weight block's minimum multiplies.
@@ -142,9 +144,13 @@ pub struct QRows {
     /// formats multiply.
     sums16: Vec<f32>,
     /// `Σ q` per half block, in integers: the K-quant kernels' minimums.
+    // Read by the x86 kernels only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     isums16: Vec<i16>,
     /// `Σ q` per block, in integers: the packed Q4_K kernel's minimums (rounded per
     /// superblock only; empty otherwise).
+    // Read by the x86 kernels only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     isums32: Vec<i16>,
     quants: Vec<i8>,
 }

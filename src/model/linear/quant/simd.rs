@@ -13,7 +13,9 @@
 //! Over 300 lines on purpose: the one door of a row's dot product for every format (the
 //! others are passed on to `kquant`), its ISA forms, and the x86 helpers they share.
 
-use super::{Format, QRows, QWeight, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use super::Format;
+use super::{QRows, QWeight, BLOCK};
 #[cfg(target_arch = "aarch64")]
 use crate::model::linear::simd::{Isa, IsaKind};
 

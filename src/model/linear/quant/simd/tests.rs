@@ -1,5 +1,6 @@
 //! Each ISA's block dot products against the scalar loop, on every format.
 
+use super::super::Format;
 use super::*;
 
 /// The vector forms (where the CPU has them) equal the scalar loop, block by block.
