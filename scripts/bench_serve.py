@@ -45,7 +45,7 @@ usage:
   scripts/bench_serve.py [--model target/models/smollm2-135m-instruct] [--dtype f32]
       [--tokens 128] [--streams 8] [--burst 32] [--rounds 3] [--max-batch 8] [--constrained]
   scripts/bench_serve.py --long 3000 --model A --compare B [--compare C] [--dtype bf16]
-      [--streams 16] [--max-batch 16] [--context 3100] [--tokens 64] [--rounds 3]
+      [--streams 16] [--max-batch 16] [--tokens 64] [--context P+tokens+64] [--rounds 3]
   scripts/bench_serve.py --pool [--clients 64] [--duration 120] [--context 3300] [--tokens 32]
       [--kv-memory BYTES] [--max-batch 64]
 Writes target/bench_serve-DATE.json (with --pool, target/bench_serve_pool-DATE.json) and prints
@@ -155,7 +155,8 @@ def run_round(port, count, tokens, extra=None, prompts=PROMPTS):
         t.join()
     ok = [r for r in out if "error" not in r and r["first"]]
     if not ok:
-        return {"answered": 0, "requests": count, "errors": [r.get("error") for r in out]}
+        return {"answered": 0, "requests": count, "short": 0, "aggregate_tok_s": 0.0,
+                "errors": [r.get("error") for r in out]}
     span = max(r["last"] for r in ok) - min(r["first"] for r in ok)
     decoded = sum(r["tokens"] - 1 for r in ok)
     ttfts = sorted(r["ttft"] for r in ok)
@@ -454,11 +455,13 @@ def pool(args):
     return 0 if all(ok for _, ok in checks) else 1
 
 
-def long_prompts(port, count, tokens):
+def long_prompts(port, count, tokens, room):
     """`count` prompts of about `tokens` tokens each, every one its own text from its first
     block on: the handbook's sentences from a different start, cut to the length the server's
-    tokenizer gives (its usage of a probe text) and checked on the first prompt."""
-    sentences = handbook(40 * count + 4 * tokens).split(". ")
+    tokenizer gives (its usage of a probe text), checked on one more text of the same kind
+    (not one of the `count`, whose blocks would then be cached before the cold round) to
+    leave `room` tokens of the context."""
+    sentences = handbook(40 * (count + 1) + 4 * tokens).split(". ")
 
     def usage(prompt):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -473,10 +476,23 @@ def long_prompts(port, count, tokens):
     probe = ". ".join(sentences[40:50])
     chars = int(0.97 * tokens * len(probe) / usage(probe))
     texts = [(f"Document {i}: " + ". ".join(sentences[40 * i:]))[:chars].rsplit(". ", 1)[0]
-             + ". " + PROMPTS[i % len(PROMPTS)] for i in range(count)]
-    print(f"long prompts: {chars} characters, the first {usage(texts[0])} tokens",
-          file=sys.stderr)
-    return texts
+             + ". " + PROMPTS[i % len(PROMPTS)] for i in range(count + 1)]
+    spare = usage(texts[count])
+    print(f"long prompts: {chars} characters, a spare one {spare} tokens", file=sys.stderr)
+    if spare > room:
+        sys.exit(f"a long prompt of {spare} tokens leaves no room for the completion: "
+                 f"raise --context")
+    return texts[:count]
+
+
+def cpu_name():
+    """The CPU's model name from /proc/cpuinfo, or '' (aarch64 kernels give none)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+    m = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    return m.group(1).strip() if m else ""
 
 
 def long_context(args):
@@ -496,7 +512,8 @@ def long_context(args):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             conn.request("GET", "/v1/models")
             MODEL = json.loads(conn.getresponse().read())["data"][0]["id"]
-            prompts[model] = (MODEL, long_prompts(port, args.streams, args.long))
+            room = args.context - args.tokens
+            prompts[model] = (MODEL, long_prompts(port, args.streams, args.long, room))
             start = time.time()
             got = run_round(port, args.streams, args.tokens, prompts=prompts[model][1])
             got["wall_s"] = time.time() - start
@@ -512,13 +529,14 @@ def long_context(args):
     finally:
         for proc, _, _ in servers.values():
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     med = lambda model, key: statistics.median(g[key] for g in rounds[model]["warm"])
     base = med(args.model, "aggregate_tok_s")
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": ")
-              if os.path.exists("/proc/cpuinfo") else "",
-              "dtype": args.dtype or "auto", "prompt_tokens": args.long, "tokens": args.tokens,
+              "cpu": cpu_name(), "dtype": args.dtype or "auto", "prompt_tokens": args.long, "tokens": args.tokens,
               "streams": args.streams, "max_batch": args.max_batch, "context": args.context,
               "models": {m: {"kv_line": servers[m][2], "rounds": rounds[m],
                              "warm_aggregate_tok_s": med(m, "aggregate_tok_s"),
@@ -546,8 +564,8 @@ def main():
     default_model = os.path.join(ROOT, "target/models/smollm2-135m-instruct")
     ap.add_argument("--model", default=default_model)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--tokens", type=int, default=None, help="128; with --pool, 32")
-    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=None, help="128; with --pool, 32; with --long, 64")
+    ap.add_argument("--streams", type=int, default=None, help="8; with --long, 16")
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=None, help="8; with --pool, 64")
@@ -556,7 +574,8 @@ def main():
     ap.add_argument("--pool", action="store_true", help="the KV pool soak instead of the rounds")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=120)
-    ap.add_argument("--context", type=int, default=3300)
+    ap.add_argument("--context", type=int, default=None,
+                    help="with --pool, 3300; with --long, P + --tokens + 64")
     ap.add_argument("--kv-memory", default=None, help="passed to serve (bytes; 2G, 512M)")
     ap.add_argument("--long", type=int, default=0, metavar="P",
                     help="long-context rounds with prompts of ~P tokens instead (see the header)")
@@ -568,14 +587,13 @@ def main():
         found = sorted(d for d in (os.listdir(models) if os.path.isdir(models) else [])
                        if os.path.exists(os.path.join(models, d, "config.json")))
         args.model = os.path.join(models, found[0]) if found else args.model
-    args.tokens = args.tokens or (32 if args.pool else 128)
+    args.tokens = args.tokens or (32 if args.pool else 64 if args.long else 128)
     args.max_batch = args.max_batch or (64 if args.pool else 16 if args.long else 8)
+    args.streams = args.streams or (16 if args.long else 8)
+    args.context = args.context or (args.long + args.tokens + 64 if args.long else 3300)
     if args.pool:
         sys.exit(pool(args))
     if args.long:
-        args.streams = args.streams if "--streams" in sys.argv else 16
-        args.tokens = args.tokens if "--tokens" in sys.argv else 64
-        args.context = args.context if "--context" in sys.argv else args.long + 100
         sys.exit(long_context(args))
     global MODEL
     proc, port, banner = start_server(args)
@@ -604,8 +622,7 @@ def main():
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.processor() or platform.machine(),
-        "cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": ")
-        if os.path.exists("/proc/cpuinfo") else "",
+        "cpu": cpu_name(),
         "model": args.model, "dtype": args.dtype or "auto", "tokens": args.tokens,
         "streams": args.streams, "burst": args.burst, "max_batch": args.max_batch,
         "rounds": rounds,

@@ -29,6 +29,8 @@ if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v aarch64-linux-g
       $sudo apt-get install -y -q gcc-aarch64-linux-gnu g++-aarch64-linux-gnu >/dev/null 2>&1; }) ||
     skip "apt-get could not install gcc-aarch64-linux-gnu"
 fi
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy >/dev/null 2>&1 ||
+  skip "no clippy component, and rustup could not add it"
 export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
 export CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc

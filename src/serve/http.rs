@@ -149,8 +149,9 @@ async fn signal(signals: &mut UnboundedReceiver<()>) {
     }
 }
 
-/// One message per SIGINT (Ctrl-C) or SIGTERM. The handlers are installed here, before the
-/// caller prints its address, so that a signal sent as soon as it listens is one of ours.
+/// One message per SIGINT (Ctrl-C) or SIGTERM. On Unix the handlers are installed here,
+/// before the caller prints its address, so that a signal sent as soon as it listens is one
+/// of ours; elsewhere Ctrl-C's is installed when its task first runs.
 pub fn signals() -> UnboundedReceiver<()> {
     let (tx, rx) = unbounded_channel();
     #[cfg(unix)]
