@@ -438,10 +438,7 @@ def pool(args):
         "checks": dict(checks), "server_stderr_tail": proc.log[-20:],
         "requests": [{k: v for k, v in r.items() if k != "text"} for r in recs],
     }
-    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
-    path = os.path.join(ROOT, "target", f"bench_serve_pool-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_report("bench_serve_pool", report)
     print(f"\n| {args.clients} clients, {span:.0f} s | completed / min | generated tok/s (in usage) "
           f"| TTFT p50 / p99 | cached / prompt | peak running | fixed slots |")
     print("|---|---|---|---|---|---|---|")
@@ -483,6 +480,15 @@ def long_prompts(port, count, tokens, room):
         sys.exit(f"a long prompt of {spare} tokens leaves no room for the completion: "
                  f"raise --context")
     return texts[:count]
+
+
+def write_report(name, report):
+    """report as target/NAME-DATE.json; returns the path."""
+    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
+    path = os.path.join(ROOT, "target", f"{name}-{datetime.date.today():%Y%m%d}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return path
 
 
 def cpu_name():
@@ -542,10 +548,7 @@ def long_context(args):
                              "warm_aggregate_tok_s": med(m, "aggregate_tok_s"),
                              "cold_wall_s": rounds[m]["cold"]["wall_s"]}
                          for m in servers}}
-    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
-    path = os.path.join(ROOT, "target", f"bench_serve_long-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_report("bench_serve_long", report)
     print(f"| model | KV per token | {args.streams} streams of ~{args.long} tokens: decode "
           f"aggregate, warm (vs first) | cold: all answered in |")
     print("|---|---|---|---|")
@@ -637,10 +640,7 @@ def main():
         masked = med("masked", "aggregate_tok_s")
         report["masked_batch_aggregate_tok_s"] = masked
         report["masked_over_free"] = masked / batch if batch else 0.0
-    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
-    path = os.path.join(ROOT, "target", f"bench_serve-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_report("bench_serve", report)
     print(f"| one stream | {args.streams} streams: aggregate (per stream) | ratio "
           f"| {args.burst} at once: answered, TTFT p50 / p99 |")
     print("|---|---|---|---|")

@@ -6,7 +6,7 @@
 //! connection cap and the header and body timeouts, and do not hold up a shutdown.
 //! The faults are injected through `TINY_DECODER_FAULT`, which only debug builds read.
 
-use super::harness::Server;
+use super::harness::{Server, SLOW};
 use serde_json::json;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -77,7 +77,7 @@ fn a_request_that_waits_past_the_timeout_is_answered_408_and_leaves_the_queue() 
         "--request-timeout",
         "0.5",
     ];
-    let server = Server::start_with_env(&args, &[("TINY_DECODER_FAULT", "slow")]);
+    let server = Server::start_with_env(&args, SLOW);
     let long = json!({"prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": true,
                       "temperature": 0, "stream": true});
     let mut running = BufReader::new(server.open_stream("/v1/completions", &long));
