@@ -591,7 +591,10 @@ fn probe_blocks_prefill() -> candle_core::Result<()> {
         (Format::Q8_0, GgmlDType::Q8_0),
         (Format::Q4_0, GgmlDType::Q4_0),
         (Format::Q5_0, GgmlDType::Q5_0),
+        (Format::Q2K, GgmlDType::Q2K),
+        (Format::Q3K, GgmlDType::Q3K),
         (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),
     ];
     for (format, ggml) in formats {

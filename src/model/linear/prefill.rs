@@ -57,7 +57,8 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// widened; below, our integer kernels (`quant`: the tile kernel from 2 rows) run them.
 /// Where they cross, on SmolLM2's Q5_0 and Q4_K_M files (Zen 5, medians of 3 noisy runs):
 /// the tile ran 64-row prompts at 235 tok/s against 191-224 through `gemm`, and `gemm` 256
-/// and 512 rows at 380-430 against 230-285.
+/// and 512 rows at 380-430 against 230-285. That was before the VNNI tile's rework: on
+/// AVX-512 with VNNI the tiles now beat `gemm` at every size ([`by_gemm`]).
 const BLOCKS_GEMM_ROWS: usize = 128;
 
 /// The weights of a product: f32 as stored, bf16 as raw bits, or in a block format.
@@ -98,10 +99,12 @@ pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
         Weights::F32(_) => isa == IsaKind::Avx2 && m >= F32_GEMM_ROWS,
         Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,
         // Packed weights' kernel beat `gemm` at every size (Zen 3: 58-96 GMAC/s at 64-512
-        // rows against 25-59, `probe_packed`).
+        // rows against 25-59, `probe_packed`), and so does the row layout's VNNI tile (Zen
+        // 5, 2 threads, `probe_blocks_prefill`: Q2_K, Q3_K and Q5_K at 193-209 GMAC/s from
+        // 128 to 512 rows against 87-117).
         Weights::Blocks(q) => {
             !q.is_packed()
-                && matches!(isa, IsaKind::Avx2 | IsaKind::Avx512)
+                && (isa == IsaKind::Avx2 || (isa == IsaKind::Avx512 && !quant::vnni()))
                 && m >= BLOCKS_GEMM_ROWS
         }
     }

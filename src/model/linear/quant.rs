@@ -13,7 +13,7 @@
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
 //! (`quant/kquant.rs`), against the same Q8_0 rows of x.
 //!
-//! On AVX2 CPUs, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K are repacked at load into
+//! On x86 CPUs (AVX2 and AVX-512), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K are repacked at load into
 //! groups of 8 interleaved rows (`quant/packed.rs`) and every product of theirs, decode and
 //! prompt, goes through the packed kernel instead.
 //!
@@ -372,6 +372,17 @@ impl QWeight {
             }
         });
     }
+}
+
+/// Whether this CPU runs the VNNI kernels (AVX-512 VNNI, and `TINY_DECODER_ISA` allows
+/// AVX-512).
+pub fn vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::model::linear::simd::Isa::current().kind()
+        == crate::model::linear::simd::IsaKind::Avx512
+        && tile::vnni::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `y`'s base pointer, shared by chunks that write disjoint columns.

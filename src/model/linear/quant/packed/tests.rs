@@ -1,5 +1,6 @@
 //! The packed layout holds the same weights as the rows, and its kernel (where the CPU has
-//! AVX2) and the scalar loop over it equal x times the dequantized weights: every packed
+//! AVX2: each set of tiles it runs) and the scalar loop over it equal x times the
+//! dequantized weights: every packed
 //! format, weight rows that are not a multiple of 8, 1 to 9 rows of x (the tile's 4 and the
 //! single rows after them).
 
@@ -41,6 +42,39 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
             (((h >> 8) % 2001) as f32 / 1000.0 - 1.0) * (1.0 + ((i / 16) % 5) as f32 * 0.5)
         })
         .collect()
+}
+
+/// `x · qᵀ` by `product`, and on x86 by each set of the packed kernel's tiles this CPU runs
+/// (AVX2's, and VNNI's where it has AVX-512 VNNI), whatever `product` chose.
+fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
+    let m = x.len() / q.cols;
+    let mut y = vec![f32::NAN; m * q.rows];
+    q.product(x, &mut y);
+    #[allow(unused_mut)]
+    let mut out = vec![("product", y)];
+    #[cfg(target_arch = "x86_64")]
+    for (name, vnni) in [("avx2 tiles", false), ("vnni tiles", true)] {
+        use crate::model::linear::simd::Isa;
+        if !Isa::detect().has_avx2() || (vnni && !super::super::tile::vnni::available()) {
+            continue;
+        }
+        let xq = QRows::quantize_for(q.format, x, q.cols);
+        let mut y = vec![f32::NAN; m * q.rows];
+        let groups = (0, q.rows.div_ceil(super::ROWS));
+        // SAFETY: the CPU has AVX2 (and VNNI where asked); q is packed and its planes fit
+        // (the constructors and `repacked`); xq holds m rows of its width; y is m × rows.
+        unsafe {
+            super::x86::rows_with(
+                super::x86::tiles(q.format, vnni),
+                q,
+                groups,
+                &xq,
+                y.as_mut_ptr(),
+            )
+        };
+        out.push((name, y));
+    }
+    out
 }
 
 #[test]
@@ -95,8 +129,7 @@ fn packed_products_equal_the_dequantized_product() {
             for m in [1, 2, 4, 5, 9] {
                 let x = data(m * cols, 3 + m as u32);
                 let xq = QRows::quantize_for(format, &x, cols);
-                let mut kernel = vec![f32::NAN; m * rows];
-                q.product(&x, &mut kernel);
+                let kernels = products(&q, &x);
                 for i in 0..m {
                     for r in 0..rows {
                         let terms = (0..cols).map(|c| {
@@ -108,7 +141,8 @@ fn packed_products_equal_the_dequantized_product() {
                             terms.fold((0f32, 0f32), |(s, a), t| (s + t, a + t.abs()));
                         // SAFETY: r and i are rows of q and xq, made for its width.
                         let scalar = unsafe { super::super::simd::dot(&q, r, &xq, i) };
-                        for (name, got) in [("product", kernel[i * rows + r]), ("scalar", scalar)] {
+                        let got = kernels.iter().map(|(name, y)| (*name, y[i * rows + r]));
+                        for (name, got) in got.chain([("scalar", scalar)]) {
                             assert!(
                                 (got - want).abs() <= 1e-4 * size,
                                 "{name} {format:?} {blocks} blocks, m={m} ({i}, {r}): {got} vs {want}"
@@ -170,17 +204,17 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
         for sign in [1.0f32, -1.0] {
             let m = 5;
             let x = vec![sign; m * cols];
-            let mut y = vec![f32::NAN; m * rows];
-            q.product(&x, &mut y);
-            for (i, got) in y.iter().enumerate() {
-                let want: f32 = dense[(i % rows) * cols..][..cols]
-                    .iter()
-                    .map(|w| w * sign)
-                    .sum();
-                assert!(
-                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                    "{format:?} x = {sign}: {got} vs {want}"
-                );
+            for (name, y) in products(&q, &x) {
+                for (i, got) in y.iter().enumerate() {
+                    let want: f32 = dense[(i % rows) * cols..][..cols]
+                        .iter()
+                        .map(|w| w * sign)
+                        .sum();
+                    assert!(
+                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{name} {format:?} x = {sign}: {got} vs {want}"
+                    );
+                }
             }
         }
     }

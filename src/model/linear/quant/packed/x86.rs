@@ -1,4 +1,4 @@
-//! The packed layout's kernel on AVX2 ([`super`]): per group of 8 weight rows and block of
+//! The packed layout's kernel on AVX2, and with AVX-512 VNNI ([`tile_vnni`]) ([`super`]): per group of 8 weight rows and block of
 //! 32 columns, the integer sums of the 8 rows are one vector, for `RX` rows of x at once.
 //!
 //! Nibbles: each 32-byte load is 4 quant bytes of each of the 8 rows; its low nibbles
@@ -11,6 +11,7 @@
 //! its 16-bit pairs (up to 2 · 128 · 127) go to 32 bits after each load.
 //! Then one FMA by the 8 rows' `d` times `dx`, and one by their minimum (Q4_0's `-8d`,
 //! Q5_0's `-16d`, Q4_1's and Q5_1's `m`) times x's block sum `dx · Σq`.
+//! (The K-quants' tiles are `q4k` and `q6k`'s, AVX2's on every x86 CPU.)
 
 use super::super::{Format, QRows, QWeight, BLOCK};
 use super::ROWS;
@@ -21,79 +22,125 @@ const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
 const Q5_0: u8 = 3;
 const Q5_1: u8 = 4;
-const Q4K: u8 = 5;
-const Q6K: u8 = 6;
 
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
 
-/// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x.
+/// A tile: group `g` of 8 weight rows against rows `i0..` of x (as many as the tile takes),
+/// written to `y`. Called through a pointer, once per group and 4 rows of x: the call is
+/// nothing beside a tile's work, and each tile is compiled for its own instruction set.
+pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
+
+/// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x: on
+/// AVX-512 CPUs with VNNI the 32-weight formats' tiles are [`tile_vnni`]'s.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `w` is packed and its blocks match its shape (`QWeight::product`
 /// checks it); `g0 <= g1 <=` its groups; `x` holds M rows of `w`'s width; `y` is valid for
 /// writes at `i · w.rows + r` for i < M and `8 · g0 <= r < min(8 · g1, w.rows)`, which
 /// nothing else touches meanwhile.
-#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
-    debug_assert!(w.packed && x.cols == w.cols);
-    // SAFETY: the caller's.
-    unsafe {
-        match w.format {
-            Format::Q8_0 => rows_in::<Q8_0>(w, groups, x, y),
-            Format::Q4_0 => rows_in::<Q4_0>(w, groups, x, y),
-            Format::Q4_1 => rows_in::<Q4_1>(w, groups, x, y),
-            Format::Q5_0 => rows_in::<Q5_0>(w, groups, x, y),
-            Format::Q5_1 => rows_in::<Q5_1>(w, groups, x, y),
-            Format::Q4K => rows_in::<Q4K>(w, groups, x, y),
-            Format::Q6K => rows_in::<Q6K>(w, groups, x, y),
-            _ => unreachable!("{:?} is never packed", w.format),
-        }
-    }
+    // SAFETY: the caller's; `tiles` chose for this CPU.
+    unsafe { rows_with(tiles(w.format, super::super::vnni()), w, groups, x, y) }
 }
 
-/// [`rows`] for one format.
+/// [`rows`] with the tiles given (the tests run each set the CPU has).
 ///
 /// # Safety
-/// As [`rows`].
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_in<const F: u8>(w: &QWeight, (g0, g1): (usize, usize), x: &QRows, y: *mut f32) {
+/// As [`rows`], and the CPU runs the tiles.
+pub(super) unsafe fn rows_with(
+    (wide, one): (Tile, Tile),
+    w: &QWeight,
+    (g0, g1): (usize, usize),
+    x: &QRows,
+    y: *mut f32,
+) {
+    debug_assert!(w.packed && x.cols == w.cols);
     let m = x.quants.len() / w.cols;
     for g in g0..g1 {
         let mut i = 0;
         while i + RX <= m {
-            // SAFETY: rows i..i + RX of x exist; group g is the caller's.
-            unsafe {
-                match F {
-                    Q4K => super::q4k::x86::tile::<RX>(w, g, x, i, y),
-                    Q6K => super::q6k::x86::tile::<RX>(w, g, x, i, y),
-                    _ => tile::<F, RX>(w, g, x, i, y),
-                }
-            }
+            // SAFETY: the caller's; rows i..i + RX of x exist.
+            unsafe { wide(w, g, x, i, y) };
             i += RX;
         }
         for i in i..m {
-            // SAFETY: row i of x exists; group g is the caller's.
-            unsafe {
-                match F {
-                    Q4K => super::q4k::x86::tile::<1>(w, g, x, i, y),
-                    Q6K => super::q6k::x86::tile::<1>(w, g, x, i, y),
-                    _ => tile::<F, 1>(w, g, x, i, y),
-                }
-            }
+            // SAFETY: as above, for row i.
+            unsafe { one(w, g, x, i, y) };
         }
     }
 }
 
-/// Group `g` against rows `i0..i0 + R` of x, written to `y`.
+/// The tiles of `RX` rows of x and of one, for `format`: with VNNI's for the 32-weight
+/// formats where `vnni`.
+pub(super) fn tiles(format: Format, vnni: bool) -> (Tile, Tile) {
+    match format {
+        Format::Q4K => (super::q4k::x86::tile::<RX>, super::q4k::x86::tile::<1>),
+        Format::Q6K => (super::q6k::x86::tile::<RX>, super::q6k::x86::tile::<1>),
+        Format::Q8_0 => pick::<Q8_0>(vnni),
+        Format::Q4_0 => pick::<Q4_0>(vnni),
+        Format::Q4_1 => pick::<Q4_1>(vnni),
+        Format::Q5_0 => pick::<Q5_0>(vnni),
+        Format::Q5_1 => pick::<Q5_1>(vnni),
+        _ => unreachable!("{format:?} is never packed"),
+    }
+}
+
+/// A 32-weight format's tiles: VNNI's or AVX2's.
+fn pick<const F: u8>(vnni: bool) -> (Tile, Tile) {
+    match vnni {
+        true => (tile_vnni::<F, RX>, tile_vnni::<F, 1>),
+        false => (tile::<F, RX>, tile::<F, 1>),
+    }
+}
+
+/// Group `g` against rows `i0..i0 + R` of x, written to `y`, with AVX2's instructions.
 ///
 /// # Safety
 /// As [`rows`], for group `g` and rows `i0..i0 + R` of x.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const F: u8, const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe { tile_in::<F, R, false>(w, g, x, i0, y) }
+}
+
+/// [`tile`] on CPUs with AVX-512 VNNI (Zen 4 and 5, Ice Lake and later): each 4-byte
+/// product and its sums fused into one `vpdpbusd` (unsigned quants times x's signed bytes,
+/// summed by four into the 8 rows' 32-bit lanes), so the nibble formats need no 16-bit
+/// stage (nor Q5's flush every second load) and Q8_0's sign trick ends in one instruction
+/// instead of `maddubs` + `madd` + add. Still 256 bits wide: a lane is a weight row, and a
+/// 512-bit register of 16 would need x's bytes for two units side by side (a permute per x
+/// row). VEX-encoded AVX-VNNI (Alder Lake) would run the same body; not wired yet.
+///
+/// # Safety
+/// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn tile_vnni<const F: u8, const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe { tile_in::<F, R, true>(w, g, x, i0, y) }
+}
+
+/// The body of [`tile`] (`V` false) and [`tile_vnni`] (`V` true), inlined into each: on its
+/// own it has no target features, and its intrinsics are compiled with the caller's.
+///
+/// # Safety
+/// As [`tile`], and [`tile_vnni`]'s where `V`.
 // The tile's loops index the accumulators and x's rows together.
 #[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn tile<const F: u8, const R: usize>(
+#[inline(always)]
+unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
     w: &QWeight,
     g: usize,
     x: &QRows,
@@ -111,98 +158,104 @@ unsafe fn tile<const F: u8, const R: usize>(
             w.scales.as_ptr().add(first),
         )
     };
-    let ones = _mm256_set1_epi16(1);
-    let low = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
-    for c in 0..nb {
-        // SAFETY (the block's loads): see above.
-        let d = unsafe { half8(scales.add(c * ROWS)) };
-        let min = match F {
-            Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-            Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-            // SAFETY: Q4_1 and Q5_1 keep a minimum per scale.
-            Q4_1 | Q5_1 => unsafe { half8(w.mins.as_ptr().add(first + c * ROWS)) },
-            _ => _mm256_setzero_ps(),
-        };
-        // Q5's fifth bits of the 8 rows, one lane each (`spread`).
-        let highs = match F {
-            // SAFETY: Q5 keeps a word of fifth bits per scale.
-            Q5_0 | Q5_1 => unsafe {
-                _mm256_loadu_si256(w.highs.as_ptr().add(first + c * ROWS) as *const __m256i)
-            },
-            _ => _mm256_setzero_si256(),
-        };
-        // SAFETY: see above.
-        let p = unsafe { quants.add(c * ROWS * qb) };
-        let xs = x_rows::<R>(x, i0, c * BLOCK);
-        let mut sums = [_mm256_setzero_si256(); R];
-        if F == Q8_0 {
-            for v in 0..BLOCK / 4 {
-                // SAFETY: the block's 8 · 32 bytes.
-                let wv = unsafe { _mm256_loadu_si256(p.add(32 * v) as *const __m256i) };
-                let a = _mm256_sign_epi8(wv, wv);
-                for j in 0..R {
-                    // SAFETY: 4 bytes of x's block c at 4v < 32.
-                    let s = _mm256_sign_epi8(unsafe { bcast(xs[j].add(4 * v)) }, wv);
-                    let pairs = _mm256_maddubs_epi16(a, s);
-                    sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, ones));
+    // SAFETY (every intrinsic below): the caller's CPU runs AVX2, FMA and F16C, and
+    // AVX-512 VNNI where V.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let (low, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+        let mut acc = [_mm256_setzero_ps(); R];
+        for c in 0..nb {
+            let d = half8(scales.add(c * ROWS));
+            let min = match F {
+                Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                // Q4_1 and Q5_1 keep a minimum per scale.
+                Q4_1 | Q5_1 => half8(w.mins.as_ptr().add(first + c * ROWS)),
+                _ => _mm256_setzero_ps(),
+            };
+            // Q5's fifth bits of the 8 rows, one lane each (`spread`): a word per scale.
+            let highs = match F {
+                Q5_0 | Q5_1 => {
+                    _mm256_loadu_si256(w.highs.as_ptr().add(first + c * ROWS) as *const __m256i)
                 }
-            }
-        } else {
-            let mut s16 = [_mm256_setzero_si256(); R];
-            let fifth = _mm256_set1_epi8(0x10);
-            for v in 0..BLOCK / 8 {
-                // SAFETY: the block's 8 · 16 bytes.
-                let raw = unsafe { _mm256_loadu_si256(p.add(32 * v) as *const __m256i) };
-                let mut lo = _mm256_and_si256(raw, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                if matches!(F, Q5_0 | Q5_1) {
-                    // Bits 8j + v and 8j + 4 + v to bit 4 of byte j.
-                    let up = _mm256_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
-                    let down = _mm256_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(up, fifth));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(down, fifth));
-                }
-                for j in 0..R {
-                    // SAFETY: 4 bytes of x's block c at 4v and 16 + 4v < 32.
-                    let both = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, unsafe { bcast(xs[j].add(4 * v)) }),
-                        _mm256_maddubs_epi16(hi, unsafe { bcast(xs[j].add(16 + 4 * v)) }),
-                    );
-                    s16[j] = _mm256_add_epi16(s16[j], both);
-                }
-                // 5-bit quants: two loads' products at most in 16 bits (2 · 4 · 31 · 127).
-                if matches!(F, Q5_0 | Q5_1) && v % 2 == 1 {
+                _ => _mm256_setzero_si256(),
+            };
+            let p = quants.add(c * ROWS * qb);
+            let xs = x_rows::<R>(x, i0, c * BLOCK);
+            let mut sums = [_mm256_setzero_si256(); R];
+            if F == Q8_0 {
+                // The block's 8 · 32 bytes; x's 4 bytes at 4v < 32.
+                for v in 0..BLOCK / 4 {
+                    let wv = _mm256_loadu_si256(p.add(32 * v) as *const __m256i);
+                    let a = _mm256_sign_epi8(wv, wv);
                     for j in 0..R {
-                        let pairs = _mm256_madd_epi16(s16[j], ones);
-                        sums[j] = _mm256_add_epi32(sums[j], pairs);
-                        s16[j] = _mm256_setzero_si256();
+                        let s = _mm256_sign_epi8(bcast(xs[j].add(4 * v)), wv);
+                        sums[j] = match V {
+                            true => _mm256_dpbusd_epi32(sums[j], a, s),
+                            false => {
+                                let pairs = _mm256_maddubs_epi16(a, s);
+                                _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, ones))
+                            }
+                        };
+                    }
+                }
+            } else {
+                let mut s16 = [_mm256_setzero_si256(); R];
+                // The block's 8 · 16 bytes; x's 4 bytes at 4v and 16 + 4v < 32.
+                for v in 0..BLOCK / 8 {
+                    let raw = _mm256_loadu_si256(p.add(32 * v) as *const __m256i);
+                    let mut lo = _mm256_and_si256(raw, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    if matches!(F, Q5_0 | Q5_1) {
+                        // Bits 8j + v and 8j + 4 + v to bit 4 of byte j.
+                        let up = _mm256_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
+                        let down = _mm256_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(up, fifth));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(down, fifth));
+                    }
+                    for j in 0..R {
+                        let (xl, xh) = (bcast(xs[j].add(4 * v)), bcast(xs[j].add(16 + 4 * v)));
+                        if V {
+                            sums[j] = _mm256_dpbusd_epi32(sums[j], lo, xl);
+                            sums[j] = _mm256_dpbusd_epi32(sums[j], hi, xh);
+                        } else {
+                            let both = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, xl),
+                                _mm256_maddubs_epi16(hi, xh),
+                            );
+                            s16[j] = _mm256_add_epi16(s16[j], both);
+                        }
+                    }
+                    // AVX2, 5-bit quants: two loads' products at most in 16 bits
+                    // (2 · 4 · 31 · 127).
+                    if !V && matches!(F, Q5_0 | Q5_1) && v % 2 == 1 {
+                        for j in 0..R {
+                            let pairs = _mm256_madd_epi16(s16[j], ones);
+                            sums[j] = _mm256_add_epi32(sums[j], pairs);
+                            s16[j] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                if !V && !matches!(F, Q5_0 | Q5_1) {
+                    for j in 0..R {
+                        sums[j] = _mm256_madd_epi16(s16[j], ones);
                     }
                 }
             }
-            if !matches!(F, Q5_0 | Q5_1) {
-                for j in 0..R {
-                    sums[j] = _mm256_madd_epi16(s16[j], ones);
+            for j in 0..R {
+                // Block (i0 + j) · nb + c of x exists.
+                let xb = (i0 + j) * nb + c;
+                let dx = _mm256_broadcast_ss(x.scales.get_unchecked(xb));
+                let sum = _mm256_broadcast_ss(x.sums.get_unchecked(xb));
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(d, dx), acc[j]);
+                if F != Q8_0 {
+                    acc[j] = _mm256_fmadd_ps(min, sum, acc[j]);
                 }
             }
         }
-        for j in 0..R {
-            let xb = (i0 + j) * nb + c;
-            // SAFETY: block xb of x exists.
-            let (dx, sum) = unsafe {
-                (
-                    _mm256_broadcast_ss(x.scales.get_unchecked(xb)),
-                    _mm256_broadcast_ss(x.sums.get_unchecked(xb)),
-                )
-            };
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(d, dx), acc[j]);
-            if F != Q8_0 {
-                acc[j] = _mm256_fmadd_ps(min, sum, acc[j]);
-            }
-        }
+        // The caller's.
+        store(&acc, g, w.rows, i0, y);
     }
-    // SAFETY: the caller's.
-    unsafe { store(&acc, g, w.rows, i0, y) };
 }
 
 /// Writes a tile's sums: `acc[j]` to row `i0 + j` of `y` (`n` columns), columns `8g..` of
