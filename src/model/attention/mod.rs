@@ -170,6 +170,9 @@ pub fn sdpa(
         return sdpa(&w(q)?, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
     }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
+    if let Some(y) = mask.and_then(|mask| prompt::attention(&q, k, v, scale as f32, mask)) {
+        return y?.reshape((b, h, t, v.dim(3)?));
+    }
     let scores = match prompt::products(&q, k) {
         Some(scores) => scores?,
         None => q.matmul(&k.t()?)?,

@@ -205,7 +205,7 @@ unsafe fn chunk(
 ///
 /// # Safety
 /// Every `w[r, c]` and `x[i, c]` is readable, y is writable at `i·ldy + r`.
-unsafe fn gemm_block(
+pub(crate) unsafe fn gemm_block(
     m: usize,
     (rows, cols): (usize, usize),
     (x, ldx): (*const f32, usize),
