@@ -129,7 +129,11 @@ impl QWeight {
         }
         let pool = Pool::global();
         let groups = self.rows.div_ceil(ROWS);
-        let per = groups.div_ceil(pool.threads() * 4).max(1);
+        // Whole pairs of groups a chunk, for the 16-row tiles where the CPU has them.
+        let per = groups
+            .div_ceil(pool.threads() * 4)
+            .next_multiple_of(2)
+            .max(2);
         let block = tile::x_block_rows(self.cols);
         for (x, y) in x
             .chunks(block * self.cols)
@@ -287,6 +291,8 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod parts;
 pub(super) mod q4k;
 pub(super) mod q6k;

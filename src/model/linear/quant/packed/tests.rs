@@ -45,7 +45,8 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 /// `x · qᵀ` by `product`, and on x86 by each set of the packed kernel's tiles this CPU runs
-/// (AVX2's, and VNNI's where it has AVX-512 VNNI), whatever `product` chose.
+/// (AVX2's, and VNNI's 8-row and 16-row ones where it has AVX-512 VNNI), whatever `product`
+/// chose.
 fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
     let m = x.len() / q.cols;
     let mut y = vec![f32::NAN; m * q.rows];
@@ -53,26 +54,28 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
     #[allow(unused_mut)]
     let mut out = vec![("product", y)];
     #[cfg(target_arch = "x86_64")]
-    for (name, vnni) in [("avx2 tiles", false), ("vnni tiles", true)] {
-        use crate::model::linear::simd::Isa;
-        if !Isa::detect().has_avx2() || (vnni && !super::super::tile::vnni::available()) {
-            continue;
+    {
+        use crate::model::linear::simd::{Isa, IsaKind};
+        let vnni = Isa::detect().kind() == IsaKind::Avx512 && super::super::tile::vnni::available();
+        let sets = [
+            ("avx2 tiles", false, false),
+            ("vnni tiles", true, false),
+            ("vnni pairs", true, true),
+        ];
+        for (name, with_vnni, pairs) in sets {
+            if !Isa::detect().has_avx2() || (with_vnni && !vnni) {
+                continue;
+            }
+            let xq = QRows::quantize_for(q.format, x, q.cols);
+            let mut y = vec![f32::NAN; m * q.rows];
+            let groups = (0, q.rows.div_ceil(super::ROWS));
+            let tiles = super::x86::tiles(q.format, with_vnni, pairs);
+            // SAFETY: the CPU has AVX2 (and AVX-512 VNNI where asked); q is packed and its
+            // planes fit (the constructors and `repacked`); xq holds m rows of its width; y
+            // is m × rows.
+            unsafe { super::x86::rows_with(&tiles, q, groups, &xq, y.as_mut_ptr()) };
+            out.push((name, y));
         }
-        let xq = QRows::quantize_for(q.format, x, q.cols);
-        let mut y = vec![f32::NAN; m * q.rows];
-        let groups = (0, q.rows.div_ceil(super::ROWS));
-        // SAFETY: the CPU has AVX2 (and VNNI where asked); q is packed and its planes fit
-        // (the constructors and `repacked`); xq holds m rows of its width; y is m × rows.
-        unsafe {
-            super::x86::rows_with(
-                super::x86::tiles(q.format, vnni),
-                q,
-                groups,
-                &xq,
-                y.as_mut_ptr(),
-            )
-        };
-        out.push((name, y));
     }
     out
 }
@@ -115,8 +118,8 @@ fn packing_keeps_every_weight() {
 
 #[test]
 fn packed_products_equal_the_dequantized_product() {
-    let rows = 13;
-    for f in FORMATS {
+    // 2 groups of 8 rows (a pair, the last padded) and 3 (a pair and one).
+    for (rows, f) in [13, 21].into_iter().flat_map(|r| FORMATS.map(|f| (r, f))) {
         let format = f.0;
         let widths: &[usize] = match format {
             Format::Q4K | Format::Q6K => &[8, 16],

@@ -17,11 +17,11 @@ use super::super::{Format, QRows, QWeight, BLOCK};
 use super::ROWS;
 use std::arch::x86_64::*;
 
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
-const Q5_0: u8 = 3;
-const Q5_1: u8 = 4;
+pub(super) const Q8_0: u8 = 0;
+pub(super) const Q4_0: u8 = 1;
+pub(super) const Q4_1: u8 = 2;
+pub(super) const Q5_0: u8 = 3;
+pub(super) const Q5_1: u8 = 4;
 
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
@@ -41,7 +41,16 @@ pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y:
 /// nothing else touches meanwhile.
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
     // SAFETY: the caller's; `tiles` chose for this CPU.
-    unsafe { rows_with(tiles(w.format, super::super::vnni()), w, groups, x, y) }
+    let vnni = super::super::vnni();
+    unsafe { rows_with(&tiles(w.format, vnni, vnni), w, groups, x, y) }
+}
+
+/// A format's tiles: for `RX` rows of x and for one, of a group of 8 rows, and where the
+/// CPU has them of two adjacent groups at once ([`super::avx512`]).
+pub(super) struct Tiles {
+    rx: Tile,
+    one: Tile,
+    pair: Option<(Tile, Tile)>,
 }
 
 /// [`rows`] with the tiles given (the tests run each set the CPU has).
@@ -49,7 +58,7 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
 /// # Safety
 /// As [`rows`], and the CPU runs the tiles.
 pub(super) unsafe fn rows_with(
-    (wide, one): (Tile, Tile),
+    tiles: &Tiles,
     w: &QWeight,
     (g0, g1): (usize, usize),
     x: &QRows,
@@ -57,24 +66,31 @@ pub(super) unsafe fn rows_with(
 ) {
     debug_assert!(w.packed && x.cols == w.cols);
     let m = x.quants.len() / w.cols;
-    for g in g0..g1 {
+    let mut g = g0;
+    while g < g1 {
+        let (rx, one, step) = match tiles.pair {
+            Some((rx, one)) if g + 1 < g1 => (rx, one, 2),
+            _ => (tiles.rx, tiles.one, 1),
+        };
         let mut i = 0;
         while i + RX <= m {
-            // SAFETY: the caller's; rows i..i + RX of x exist.
-            unsafe { wide(w, g, x, i, y) };
+            // SAFETY: the caller's; rows i..i + RX of x exist; groups g..g + step are the
+            // caller's.
+            unsafe { rx(w, g, x, i, y) };
             i += RX;
         }
         for i in i..m {
             // SAFETY: as above, for row i.
             unsafe { one(w, g, x, i, y) };
         }
+        g += step;
     }
 }
 
-/// The tiles of `RX` rows of x and of one, for `format`: with VNNI's for the 32-weight
-/// formats where `vnni`.
-pub(super) fn tiles(format: Format, vnni: bool) -> (Tile, Tile) {
-    match format {
+/// The tiles for `format`: with VNNI's for the 32-weight formats where `vnni`, and their
+/// 16-row ones where `pairs` too.
+pub(super) fn tiles(format: Format, vnni: bool, pairs: bool) -> Tiles {
+    let (rx, one): (Tile, Tile) = match format {
         Format::Q4K => (super::q4k::x86::tile::<RX>, super::q4k::x86::tile::<1>),
         Format::Q6K => (super::q6k::x86::tile::<RX>, super::q6k::x86::tile::<1>),
         Format::Q8_0 => pick::<Q8_0>(vnni),
@@ -83,7 +99,22 @@ pub(super) fn tiles(format: Format, vnni: bool) -> (Tile, Tile) {
         Format::Q5_0 => pick::<Q5_0>(vnni),
         Format::Q5_1 => pick::<Q5_1>(vnni),
         _ => unreachable!("{format:?} is never packed"),
-    }
+    };
+    let pair = match format {
+        _ if !(vnni && pairs) => None,
+        Format::Q8_0 => Some(pair::<Q8_0>()),
+        Format::Q4_0 => Some(pair::<Q4_0>()),
+        Format::Q4_1 => Some(pair::<Q4_1>()),
+        Format::Q5_0 => Some(pair::<Q5_0>()),
+        Format::Q5_1 => Some(pair::<Q5_1>()),
+        _ => None,
+    };
+    Tiles { rx, one, pair }
+}
+
+/// A 32-weight format's 16-row tiles.
+fn pair<const F: u8>() -> (Tile, Tile) {
+    (super::avx512::tile::<F, RX>, super::avx512::tile::<F, 1>)
 }
 
 /// A 32-weight format's tiles: VNNI's or AVX2's.

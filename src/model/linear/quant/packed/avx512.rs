@@ -1,0 +1,154 @@
+//! The packed kernel's 16-row tile for the 32-weight formats on AVX-512 with VNNI: two
+//! adjacent groups of 8 rows side by side in a 64-byte register (group `g` in lanes 0-7,
+//! `g + 1` in lanes 8-15), so that one `vpdpbusd` against x's 4 bytes, broadcast to all 16
+//! lanes from memory, does the products of 16 weight rows where the 256-bit tile
+//! (`x86::tile_vnni`) does 8. The layout is [`super`]'s unchanged: each load is two 32-byte
+//! units of the two groups, joined. The two groups' 16 columns of y are adjacent, so a
+//! tile's row of results is one store. Q8_0's sign trick takes a byte mask (AVX-512 has no
+//! 512-bit `vpsignb`): x's bytes negated where w is negative, against |w|.
+
+use super::super::{QRows, QWeight, BLOCK};
+use super::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::ROWS;
+use half::f16;
+use std::arch::x86_64::*;
+
+/// Groups `g` and `g + 1` against rows `i0..i0 + R` of x, written to `y`.
+///
+/// # Safety
+/// As `x86::rows` for both groups (each exists), for rows `i0..i0 + R` of x; the CPU has
+/// AVX-512F, BW, VL and VNNI (`quant::vnni`).
+// The tile's loops index the accumulators and x's rows together.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn tile<const F: u8, const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    let (nb, qb) = (w.cols / BLOCK, w.format.quant_bytes());
+    // Scales (and minimums, Q5's fifth bits) of the two groups' block c at `first + 8c` and
+    // `first + next + 8c`; their quants at those times qb.
+    let (first, next) = (g * nb * ROWS, nb * ROWS);
+    // SAFETY (every load below): both groups' blocks hold nb · 8 scales (minimums, fifth
+    // bits) and nb · 8 · qb quant bytes from where they start; x's rows i0..i0 + R hold nb
+    // blocks each; the stores are the caller's.
+    unsafe {
+        let (low, fifth, zero) = (
+            _mm512_set1_epi8(0x0F),
+            _mm512_set1_epi8(0x10),
+            _mm512_setzero_si512(),
+        );
+        let mut acc = [_mm512_setzero_ps(); R];
+        for c in 0..nb {
+            let at = first + c * ROWS;
+            let d = halves16(w.scales.as_ptr().add(at), next);
+            let min = match F {
+                Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
+                Q4_1 | Q5_1 => halves16(w.mins.as_ptr().add(at), next),
+                _ => _mm512_setzero_ps(),
+            };
+            let highs = match F {
+                Q5_0 | Q5_1 => join(w.highs.as_ptr().add(at) as *const u8, 4 * next),
+                _ => zero,
+            };
+            let p = w.quants.as_ptr().add(at * qb);
+            let xs: [*const i8; R] =
+                std::array::from_fn(|j| x.quants.as_ptr().add((i0 + j) * x.cols + c * BLOCK));
+            let mut sums = [zero; R];
+            if F == Q8_0 {
+                for v in 0..BLOCK / 4 {
+                    let wv = join(p.add(32 * v), next * qb);
+                    let (negative, a) = (_mm512_movepi8_mask(wv), _mm512_abs_epi8(wv));
+                    for j in 0..R {
+                        let xv = bcast(xs[j].add(4 * v));
+                        let s = _mm512_mask_sub_epi8(xv, negative, zero, xv);
+                        sums[j] = _mm512_dpbusd_epi32(sums[j], a, s);
+                    }
+                }
+            } else {
+                for v in 0..BLOCK / 8 {
+                    let raw = join(p.add(32 * v), next * qb);
+                    let mut lo = _mm512_and_si512(raw, low);
+                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+                    if matches!(F, Q5_0 | Q5_1) {
+                        // Bits 8j + v and 8j + 4 + v to bit 4 of byte j (`x86::tile_in`).
+                        let up = _mm512_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
+                        let down = _mm512_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
+                        lo = _mm512_or_si512(lo, _mm512_and_si512(up, fifth));
+                        hi = _mm512_or_si512(hi, _mm512_and_si512(down, fifth));
+                    }
+                    for j in 0..R {
+                        let (xl, xh) = (bcast(xs[j].add(4 * v)), bcast(xs[j].add(16 + 4 * v)));
+                        sums[j] = _mm512_dpbusd_epi32(sums[j], lo, xl);
+                        sums[j] = _mm512_dpbusd_epi32(sums[j], hi, xh);
+                    }
+                }
+            }
+            for j in 0..R {
+                let xb = (i0 + j) * nb + c;
+                let dx = _mm512_set1_ps(*x.scales.get_unchecked(xb));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(d, dx), acc[j]);
+                if F != Q8_0 {
+                    let sum = _mm512_set1_ps(*x.sums.get_unchecked(xb));
+                    acc[j] = _mm512_fmadd_ps(min, sum, acc[j]);
+                }
+            }
+        }
+        // Columns 8g.. of each row: 16, or the real rows of a padded last group.
+        let (r0, n) = (g * ROWS, w.rows);
+        let mask: __mmask16 = match n - r0 {
+            k if k >= 2 * ROWS => 0xFFFF,
+            k => (1u16 << k) - 1,
+        };
+        for (j, acc) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(y.add((i0 + j) * n + r0), mask, *acc);
+        }
+    }
+}
+
+/// The 8 f16 at `p` and the 8 at `p + next`, as 16 f32.
+///
+/// # Safety
+/// AVX-512F; 8 f16 at each.
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+unsafe fn halves16(p: *const f16, next: usize) -> __m512 {
+    // SAFETY: the caller's.
+    unsafe {
+        let (a, b) = (
+            _mm_loadu_si128(p as *const __m128i),
+            _mm_loadu_si128(p.add(next) as *const __m128i),
+        );
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b))
+    }
+}
+
+/// 32 bytes at `p` and 32 at `p + next`, as one register.
+///
+/// # Safety
+/// AVX-512F; 32 bytes at each.
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+unsafe fn join(p: *const u8, next: usize) -> __m512i {
+    // SAFETY: the caller's.
+    unsafe {
+        let a = _mm256_loadu_si256(p as *const __m256i);
+        let b = _mm256_loadu_si256(p.add(next) as *const __m256i);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+    }
+}
+
+/// 4 bytes at `p`, in every 32-bit lane.
+///
+/// # Safety
+/// AVX-512F; 4 bytes at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn bcast(p: *const i8) -> __m512i {
+    // SAFETY: the caller's.
+    _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+}
