@@ -173,6 +173,19 @@ fn row_kernels_match_f64_reference() {
         };
         let want = reference(&|i| w[i] as f64);
         let want_b = reference(&|i| widen(wb[i]));
+        // bf16 x too (a bf16 model's activations): x rounded, then the same sums.
+        let xb: Vec<u16> = x
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let want_bb: Vec<f64> = (0..rows * n)
+            .map(|j| {
+                let (m, r) = (j / n, j % n);
+                (0..k)
+                    .map(|i| widen(xb[m * k + i]) * widen(wb[r * k + i]))
+                    .sum()
+            })
+            .collect();
         let xp = simd::pair_layout(&x, k, |v| v);
         for isa in isas() {
             let what = format!("{isa:?} {rows}x{k} · ({n}x{k})ᵀ");
@@ -182,6 +195,10 @@ fn row_kernels_match_f64_reference() {
             let mut y = vec![f32::NAN; rows * n];
             simd::rows_bf16(isa, &xp, k, &wb, &mut y);
             assert_close(&y, &want_b, 1e-5, &format!("bf16 {what}"));
+            let mut y = vec![f32::NAN; rows * n];
+            simd::rows_bf16_pairs(isa, &xb, k, &wb, &mut y);
+            let pairs = simd::bf16_pairs(isa);
+            assert_close(&y, &want_bb, 1e-5, &format!("bf16 pairs ({pairs}) {what}"));
         }
     }
 }

@@ -5,7 +5,7 @@
 //! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] kernel over all of x and
 //! writes its own columns of y. Supported pairs: f32 x with f32 or bf16 W, bf16 x with bf16
 //! W (x widened and put in [`simd::pair_layout`] once, bf16 W widened in registers, the
-//! result in x's dtype). Anything else is the caller's job to route to candle's matmul.
+//! result in x's dtype; on AVX-512 with BF16 both read as stored, [`simd::bf16_pairs`]). Anything else is the caller's job to route to candle's matmul.
 
 use super::prefill::{self, Weights};
 use super::simd::{self, Isa, IsaKind};
@@ -36,10 +36,10 @@ struct Out(*mut f32);
 unsafe impl Sync for Out {}
 
 /// The strided kernels' shape: `rows(isa, x, k, w, y, ldy)`.
-type Kernel<W> = unsafe fn(Isa, &[f32], usize, &[W], *mut f32, usize);
+type Kernel<X, W> = unsafe fn(Isa, &[X], usize, &[W], *mut f32, usize);
 
 /// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), in parallel when the work is large enough.
-fn product<W: Sync>(x: &[f32], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<W>) {
+fn product<X: Sync, W: Sync>(x: &[X], k: usize, w: &[W], y: &mut [f32], kernel: Kernel<X, W>) {
     let (isa, pool) = (Isa::current(), Pool::global());
     if k == 0 {
         return y.fill(0.0);
@@ -133,7 +133,12 @@ impl CustomOp2 for MatVec {
             (CpuStorage::F32(x), CpuStorage::BF16(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 let bits = bf16_bits(w);
+                let isa = Isa::current();
                 match prefill::by_gemm(m, Weights::Bf16(bits)) {
+                    _ if simd::bf16_pairs(isa) => {
+                        let x = simd::bf16_bits_of(isa, x);
+                        product(&x, k, bits, &mut y, simd::rows_bf16_pairs_strided)
+                    }
                     true => prefill::product(x, k, Weights::Bf16(bits), &mut y),
                     false => {
                         let x = simd::pair_layout(x, k, |v| v);
@@ -145,7 +150,9 @@ impl CustomOp2 for MatVec {
             (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 let bits = bf16_bits(w);
-                if prefill::by_gemm(m, Weights::Bf16(bits)) {
+                if simd::bf16_pairs(Isa::current()) {
+                    product(bf16_bits(x), k, bits, &mut y, simd::rows_bf16_pairs_strided);
+                } else if prefill::by_gemm(m, Weights::Bf16(bits)) {
                     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     prefill::product(&x, k, Weights::Bf16(bits), &mut y);
                 } else {

@@ -190,6 +190,13 @@ pub fn rows_bf16(isa: Isa, xp: &[f32], k: usize, w: &[u16], y: &mut [f32]) {
     unsafe { rows_bf16_strided(isa, xp, k, w, y.as_mut_ptr(), r) }
 }
 
+/// [`rows_f32`] for bf16 x and bf16 `w`, both raw bits ([`rows_bf16_pairs_strided`]).
+pub fn rows_bf16_pairs(isa: Isa, x: &[u16], k: usize, w: &[u16], y: &mut [f32]) {
+    let r = check_shapes(x.len(), k, w.len(), y.len());
+    // SAFETY: as in `rows_f32`.
+    unsafe { rows_bf16_pairs_strided(isa, x, k, w, y.as_mut_ptr(), r) }
+}
+
 /// Panics unless x is M rows and w is R rows of width k and y is M·R; returns R.
 fn check_shapes(x: usize, k: usize, w: usize, y: usize) -> usize {
     let ok = k > 0 && x.is_multiple_of(k) && w.is_multiple_of(k) && y == (x / k) * (w / k);
@@ -250,6 +257,56 @@ pub unsafe fn rows_bf16_strided(
     }
 }
 
+/// Whether `isa` multiplies bf16 by bf16 in pairs ([`rows_bf16_pairs_strided`]): AVX-512
+/// with BF16 (Zen 4 and 5, Sapphire Rapids), where bf16 x (a bf16 model's activations) meets
+/// bf16 weights as both are stored.
+pub fn bf16_pairs(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return isa.kind() == IsaKind::Avx512 && x86::has_bf16_dot();
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
+    }
+}
+
+/// `x` rounded to bf16 (to nearest even) as raw bits, for [`rows_bf16_pairs_strided`]: as
+/// transformers and llama.cpp multiply bf16 weights, by bf16 activations.
+pub fn bf16_bits_of(isa: Isa, x: &[f32]) -> Vec<u16> {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_pairs(isa) {
+        // SAFETY: `bf16_pairs` asked the CPU for AVX-512 BF16.
+        return unsafe { x86::to_bf16_bits(x) };
+    }
+    let _ = isa;
+    x.iter()
+        .map(|v| half::bf16::from_f32(*v).to_bits())
+        .collect()
+}
+
+/// [`rows_f32_strided`] for bf16 x and bf16 weights, both as raw bits in their natural
+/// order, where [`bf16_pairs`]: one `vdpbf16ps` per 16 pairs of each (the products exact in
+/// f32, summed in f32). Elsewhere the scalar loop, the tests' reference.
+///
+/// # Safety
+/// As for [`rows_f32_strided`].
+pub unsafe fn rows_bf16_pairs_strided(
+    isa: Isa,
+    x: &[u16],
+    k: usize,
+    w: &[u16],
+    y: *mut f32,
+    ldy: usize,
+) {
+    match bf16_pairs(isa) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract is the kernel's, and the CPU has AVX-512 BF16.
+        true => unsafe { x86::bf16_dot_avx512(x, k, w, y, ldy) },
+        // SAFETY: as above.
+        _ => unsafe { rows_scalar(x, k, w, y, ldy, dot_bf16_pairs) },
+    }
+}
+
 /// Whether `isa` keeps a tile of several x rows in registers (the 32 registers of AVX-512
 /// and of NEON hold 4 weight rows × 4 x rows), so that a product of many rows reads `w` once
 /// per 64 rows. Elsewhere each row of x is a pass over `w`, and candle's GEMM (or, on AVX2,
@@ -265,13 +322,13 @@ pub fn tiles_rows(isa: Isa) -> bool {
 ///
 /// # Safety
 /// As for [`rows_f32_strided`].
-unsafe fn rows_scalar<W>(
-    x: &[f32],
+unsafe fn rows_scalar<X, W>(
+    x: &[X],
     k: usize,
     w: &[W],
     y: *mut f32,
     ldy: usize,
-    dot: fn(&[f32], &[W], usize) -> f32,
+    dot: fn(&[X], &[W], usize) -> f32,
 ) {
     for (m, xr) in x.chunks_exact(k).enumerate() {
         for (r, wr) in w.chunks_exact(k).enumerate() {
@@ -324,6 +381,15 @@ fn dot_bf16(xp: &[f32], row: &[u16], from: usize) -> f32 {
         0.0
     };
     acc.iter().sum::<f32>() + first + last
+}
+
+/// [`dot_f32`] for bf16 x and a bf16 row, both as raw bits.
+fn dot_bf16_pairs(x: &[u16], row: &[u16], from: usize) -> f32 {
+    let mut acc = [0f32; 8];
+    for (j, (&a, &b)) in x[from..].iter().zip(&row[from..]).enumerate() {
+        acc[j % 8] += bf16_to_f32(a) * bf16_to_f32(b);
+    }
+    acc.iter().sum()
 }
 
 #[cfg(target_arch = "aarch64")]

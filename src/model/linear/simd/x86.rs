@@ -1,7 +1,7 @@
 //! The x86-64 kernels behind [`super`]: AVX-512 and AVX2 + FMA, one macro for all four
 //! (instruction set × weight type), differing only in their load and multiply-add helpers.
 
-use super::{dot_bf16, dot_f32};
+use super::{dot_bf16, dot_bf16_pairs, dot_f32};
 use std::arch::x86_64::*;
 
 /// How many weights ahead of the loads the kernels ask for memory to be fetched (8 KB of f32,
@@ -21,7 +21,7 @@ const M_BLOCK: usize = 64;
 /// `k % $elems` columns go to `$tail`. `$gemm` covers x and w with tiles of
 /// at most 4 × `$mr`.
 macro_rules! tiled {
-    ($gemm:ident, $tile:ident, $wty:ty, $feat:literal, $elems:expr, $mr:expr,
+    ($gemm:ident, $tile:ident, $xty:ty, $wty:ty, $feat:literal, $elems:expr, $mr:expr,
      $acc_zero:expr, $w_zero:expr, $load_x:ident, $load_w:ident, $mac:ident,
      $reduce:ident, $reduce4:ident, $tail:ident) => {
         /// # Safety
@@ -29,7 +29,7 @@ macro_rules! tiled {
         #[target_feature(enable = $feat)]
         #[allow(clippy::needless_range_loop)] // const-bound index loops become registers
         unsafe fn $tile<const NR: usize, const MR: usize>(
-            x: &[f32],
+            x: &[$xty],
             k: usize,
             w: &[$wty],
             (n, m): (usize, usize),
@@ -81,7 +81,7 @@ macro_rules! tiled {
         /// # Safety
         /// As for `super::rows_f32_strided`.
         #[target_feature(enable = $feat)]
-        pub unsafe fn $gemm(x: &[f32], k: usize, w: &[$wty], y: *mut f32, ldy: usize) {
+        pub unsafe fn $gemm(x: &[$xty], k: usize, w: &[$wty], y: *mut f32, ldy: usize) {
             let (rows_x, rows_w) = (x.len() / k, w.len() / k);
             for m0 in (0..rows_x).step_by(M_BLOCK) {
                 let m1 = (m0 + M_BLOCK).min(rows_x);
@@ -182,6 +182,67 @@ unsafe fn x512_pairs(xp: *const f32, k: usize, i: usize) -> (__m512, __m512) {
 #[inline]
 fn mac512_pairs(acc: __m512, (lo, hi): (__m512, __m512), (ev, od): (__m512, __m512)) -> __m512 {
     _mm512_fmadd_ps(hi, od, _mm512_fmadd_ps(lo, ev, acc))
+}
+
+// AVX-512 BF16: 32 weights (16 pairs) per step against x's 16 pairs of bf16, both as
+// stored; one `vdpbf16ps` multiplies the pairs and adds both products to each f32 lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn w512_bf16(w: *const u16) -> __m512bh {
+    prefetch(w);
+    // SAFETY: the kernel guarantees 32 readable u16 at w; both types are 64 bytes of lanes.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(w as *const __m512i)) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn x512_bf16(x: *const u16, _k: usize, i: usize) -> __m512bh {
+    // SAFETY: the kernel calls this with i + 32 <= k; both types are 64 bytes of lanes.
+    unsafe {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(x.add(i) as *const __m512i))
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn zero512_bf16() -> __m512bh {
+    // SAFETY: both types are 64 bytes of lanes; all-zero bits are bf16 zeros.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn mac512_bf16(acc: __m512, w: __m512bh, x: __m512bh) -> __m512 {
+    _mm512_dpbf16_ps(acc, w, x)
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even) as raw bits, 16 at a time.
+///
+/// # Safety
+/// The CPU has AVX-512F and BF16 ([`has_bf16_dot`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub unsafe fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
+    let mut out = vec![0u16; x.len()];
+    let (xs, os) = (x.chunks_exact(16), out.chunks_exact_mut(16));
+    for (a, o) in xs.zip(os) {
+        // SAFETY: 16 f32 in, 16 u16 (32 bytes) out.
+        unsafe {
+            let b = _mm512_cvtneps_pbh(_mm512_loadu_ps(a.as_ptr()));
+            let b = std::mem::transmute::<__m256bh, __m256i>(b);
+            _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, b);
+        }
+    }
+    let done = x.len() - x.len() % 16;
+    for (o, v) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = half::bf16::from_f32(*v).to_bits();
+    }
+    out
+}
+
+/// Whether this CPU has AVX-512 BF16's `vdpbf16ps` (checked once by the standard
+/// library's cache).
+pub fn has_bf16_dot() -> bool {
+    is_x86_feature_detected!("avx512bf16")
 }
 
 // AVX2: the same with 8 lanes.
@@ -287,18 +348,22 @@ fn sum256(v: __m256) -> f32 {
 // a 4 × 3 tile spills and ran slower than 4 × 1, 4 × 2 ran 1.3-2× faster than 4 × 1 at 4-40
 // rows of x (Qwen2.5-1.5B's matrices). Prompts of many rows go to `prefill` instead.
 #[rustfmt::skip]
-tiled!(f32_avx512, tile_f32_avx512, f32, "avx512f,avx512bw,avx512vl", 16, 4,
+tiled!(f32_avx512, tile_f32_avx512, f32, f32, "avx512f,avx512bw,avx512vl", 16, 4,
     _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32, sum512,
     sum4_512, dot_f32);
 #[rustfmt::skip]
-tiled!(bf16_avx512, tile_bf16_avx512, u16, "avx512f,avx512bw,avx512vl", 32, 4,
+tiled!(bf16_avx512, tile_bf16_avx512, f32, u16, "avx512f,avx512bw,avx512vl", 32, 4,
     _mm512_setzero_ps(), (_mm512_setzero_ps(), _mm512_setzero_ps()), x512_pairs,
     w512_pairs, mac512_pairs, sum512, sum4_512, dot_bf16);
 #[rustfmt::skip]
-tiled!(f32_avx2, tile_f32_avx2, f32, "avx2,fma", 8, 2,
+tiled!(bf16_dot_avx512, tile_bf16_dot_avx512, u16, u16, "avx512f,avx512bw,avx512vl,avx512bf16",
+    32, 4, _mm512_setzero_ps(), zero512_bf16(), x512_bf16, w512_bf16,
+    mac512_bf16, sum512, sum4_512, dot_bf16_pairs);
+#[rustfmt::skip]
+tiled!(f32_avx2, tile_f32_avx2, f32, f32, "avx2,fma", 8, 2,
     _mm256_setzero_ps(), _mm256_setzero_ps(), x256_f32, w256_f32, mac256_f32, sum256,
     sum4_256, dot_f32);
 #[rustfmt::skip]
-tiled!(bf16_avx2, tile_bf16_avx2, u16, "avx2,fma", 16, 2,
+tiled!(bf16_avx2, tile_bf16_avx2, f32, u16, "avx2,fma", 16, 2,
     _mm256_setzero_ps(), (_mm256_setzero_ps(), _mm256_setzero_ps()), x256_pairs,
     w256_pairs, mac256_pairs, sum256, sum4_256, dot_bf16);
