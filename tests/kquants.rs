@@ -3,14 +3,15 @@
 //! `llama-quantize` makes (scripts/make_kquants.sh: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q5_0,
 //! Q5_1, Q4_1, Q8_0, which between them hold Q2_K ... Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
 //! tensors). For each file:
-//! - a prompt-sized forward: every format through its integer kernel with x rounded to 8
-//!   bits, as llama.cpp rounds it for prompts too (the packed formats on every x86 CPU; the
-//!   other K-quants on AVX-512 with VNNI, their blocks dequantized into `gemm`'s tiles
-//!   elsewhere): perplexity within 2.5% (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0
-//!   file and 1.2% for Q4_K_M; on Zen 5 with VNNI: 0.2-0.75%, 1.5% for Q8_0 and 1.9% for
-//!   Q2_K, a model at perplexity ~220; 0.5% bounded them all while prompts took `gemm`
-//!   throughout), and the greedy choice the same at every position where the f32 model's
-//!   top logit leads the next by more than 1 (88-115 of 256 positions);
+//! - a prompt-sized forward: on the integer kernels with x rounded to 8 bits, as llama.cpp
+//!   rounds it for prompts too (the packed formats on every x86 CPU, the other K-quants on
+//!   AVX-512 with VNNI; elsewhere those are dequantized into `gemm`'s tiles): perplexity
+//!   within 2.5% (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0 file and 1.2% for
+//!   Q4_K_M; on Zen 5 with VNNI: 0.2-0.75%, 1.5% for Q8_0 and 1.9% for Q2_K, a model at
+//!   perplexity ~220; the f32 reference's own kernels differ by host too; 0.5% bounded them
+//!   all while prompts took `gemm` throughout), and the greedy choice the same at every
+//!   position where the f32 model's top logit leads the next by more than 1 (88-115 of 256
+//!   positions);
 //! - token by token through the cache (the integer kernels): x is rounded to Q8_0 there
 //!   for every format, which moves a logit by up to ~1.5 (0.6 on average at the largest):
 //!   perplexity over 64 tokens within 6% (measured: 0.1-2.2%; 3.9% for Q2_K before the

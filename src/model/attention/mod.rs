@@ -138,8 +138,10 @@ pub fn causal_mask(
 }
 
 /// Scaled dot-product attention with grouped heads. One new token without a mask takes
-/// [`decode::DecodeAttention`] where it runs; everything else is candle's ops below, in f32
-/// on CPU.
+/// [`decode::DecodeAttention`] where it runs; a masked prompt of more than 16 query rows a
+/// group, in f32 on CPU, [`prompt::attention`] (one pass per piece of queries); everything
+/// else (a few rows, no mask, another device) the scores and [`attend`], which MLA's
+/// prompt form shares.
 ///
 /// q: (B, H, T, Dk); k: (B, G, S, Dk); v: (B, G, S, Dv) with H a multiple of G. The query is
 /// reshaped to (B, G, H/G·T, Dk) so each group's heads share one K/V without copying it
@@ -171,7 +173,7 @@ pub fn sdpa(
     }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
     if let Some(y) = mask.and_then(|mask| prompt::attention(&q, k, v, scale as f32, mask)) {
-        return y?.reshape((b, h, t, v.dim(3)?));
+        return y?.reshape((b, h, t, v.dim(3)?)); // (B, H, T, Dv)
     }
     let scores = match prompt::products(&q, k) {
         Some(scores) => scores?,

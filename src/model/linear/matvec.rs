@@ -5,7 +5,9 @@
 //! persistent [`Pool`] runs in parallel; each chunk runs a [`simd`] kernel over all of x and
 //! writes its own columns of y. Supported pairs: f32 x with f32 or bf16 W, bf16 x with bf16
 //! W (x widened and put in [`simd::pair_layout`] once, bf16 W widened in registers, the
-//! result in x's dtype; on AVX-512 with BF16 both read as stored, [`simd::bf16_pairs`]). Anything else is the caller's job to route to candle's matmul.
+//! result in x's dtype; on AVX-512 with BF16, [`simd::bf16_pairs`], x rounded to bf16 once
+//! instead, or read as it is when bf16, and W as stored). Anything else is the caller's job
+//! to route to candle's matmul.
 
 use super::prefill::{self, Weights};
 use super::simd::{self, Isa, IsaKind};
@@ -134,16 +136,14 @@ impl CustomOp2 for MatVec {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
                 let bits = bf16_bits(w);
                 let isa = Isa::current();
-                match prefill::by_gemm(m, Weights::Bf16(bits)) {
-                    _ if simd::bf16_pairs(isa) => {
-                        let x = simd::bf16_bits_of(isa, x);
-                        product(&x, k, bits, &mut y, simd::rows_bf16_pairs_strided)
-                    }
-                    true => prefill::product(x, k, Weights::Bf16(bits), &mut y),
-                    false => {
-                        let x = simd::pair_layout(x, k, |v| v);
-                        product(&x, k, bits, &mut y, simd::rows_bf16_strided)
-                    }
+                if simd::bf16_pairs(isa) {
+                    let x = simd::bf16_bits_of(isa, x);
+                    product(&x, k, bits, &mut y, simd::rows_bf16_pairs_strided)
+                } else if prefill::by_gemm(m, Weights::Bf16(bits)) {
+                    prefill::product(x, k, Weights::Bf16(bits), &mut y)
+                } else {
+                    let x = simd::pair_layout(x, k, |v| v);
+                    product(&x, k, bits, &mut y, simd::rows_bf16_strided)
                 }
                 CpuStorage::F32(y)
             }

@@ -57,8 +57,9 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// widened; below, our integer kernels (`quant`: the tile kernel from 2 rows) run them.
 /// Where they cross, on SmolLM2's Q5_0 and Q4_K_M files (Zen 5, medians of 3 noisy runs):
 /// the tile ran 64-row prompts at 235 tok/s against 191-224 through `gemm`, and `gemm` 256
-/// and 512 rows at 380-430 against 230-285. That was before the VNNI tile's rework: on
-/// AVX-512 with VNNI the tiles now beat `gemm` at every size ([`by_gemm`]).
+/// and 512 rows at 380-430 against 230-285. Measured again on Zen 5 on 2026-11-27
+/// (`probe_blocks_prefill`), the row layout's VNNI tile beat `gemm` at every size, so on
+/// AVX-512 with VNNI block formats never come here ([`by_gemm`]).
 const BLOCKS_GEMM_ROWS: usize = 128;
 
 /// The weights of a product: f32 as stored, bf16 as raw bits, or in a block format.
@@ -92,7 +93,7 @@ thread_local! {
 
 /// Whether a product with `m` rows of x and weights `w` runs here rather than in the
 /// register tile: on AVX2 with enough rows (see the file's header); block formats on
-/// AVX2 and AVX-512 (on NEON they stay on the integer dots: untimed there).
+/// AVX2 and AVX-512 without VNNI (on NEON they stay on the integer dots: untimed there).
 pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
     let isa = Isa::current().kind();
     match w {

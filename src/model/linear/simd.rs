@@ -10,7 +10,9 @@
 //! bf16 weights are read in pairs: a 32-bit lane holding `W[r, 2i]` (low half) and
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
 //! widening shuffle. So the bf16 kernels take `x` in [`pair_layout`]: its even-indexed
-//! values, then its odd-indexed ones, split once per product instead of once per row.
+//! values, then its odd-indexed ones, split once per product instead of once per row. Where
+//! the CPU multiplies bf16 pairs itself (AVX-512 BF16, [`bf16_pairs`]) x is bf16 too, in its
+//! own order, and one `vdpbf16ps` takes 16 pairs of each.
 //!
 //! Over 300 lines on purpose: the ISA choice, the shape checks every form relies on and the
 //! scalar reference read as one contract; the AVX-512 and AVX2 forms are in `x86`, NEON's

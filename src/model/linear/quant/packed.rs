@@ -18,11 +18,12 @@
 //!   and `i + 16` high).
 //!
 //! A weight whose rows are not a multiple of 8 is padded with rows of zeros, never written
-//! out. x86 CPUs pack ([`wanted`]); the kernel is AVX2's (`x86`), with a VNNI tile for the
-//! 32-weight formats where the CPU has AVX-512 VNNI. On Zen 5 (2 threads, `probe_packed`)
-//! the packed kernel ran 1.5-2× the row layout's VNNI tile at 64-512 rows of x and 2-5× at
-//! 1-8 rows, except Q6_K from 128 rows (165-193 against 195-224 GMAC/s). ARM keeps its
-//! `sdot` rows.
+//! out. x86 CPUs pack ([`wanted`]); the kernel is AVX2's (`x86`), and where the CPU has
+//! AVX-512 VNNI the 32-weight formats take a VNNI form of its tile and a 16-row one of two
+//! groups side by side (`avx512`). On Zen 5 (2 threads, `probe_packed`) the packed kernel
+//! ran 1.5-2× the row layout's VNNI tile at 64-512 rows of x and 2-5× at 1-8 rows (before
+//! the 16-row tile), except Q6_K from 128 rows (160-193 against 195-224 GMAC/s). ARM keeps
+//! its `sdot` rows.
 
 #[cfg(target_arch = "x86_64")]
 use super::{tile, Out, QRows};
@@ -129,11 +130,11 @@ impl QWeight {
         }
         let pool = Pool::global();
         let groups = self.rows.div_ceil(ROWS);
-        // Whole pairs of groups a chunk, for the 16-row tiles where the CPU has them.
-        let per = groups
-            .div_ceil(pool.threads() * 4)
-            .next_multiple_of(2)
-            .max(2);
+        // Whole pairs of groups a chunk where the CPU has the 16-row tiles.
+        let step = if super::vnni() { 2 } else { 1 };
+        let per = (groups.div_ceil(pool.threads() * 4))
+            .next_multiple_of(step)
+            .max(step);
         let block = tile::x_block_rows(self.cols);
         for (x, y) in x
             .chunks(block * self.cols)

@@ -1,5 +1,6 @@
-//! The x86-64 kernels behind [`super`]: AVX-512 and AVX2 + FMA, one macro for all four
-//! (instruction set × weight type), differing only in their load and multiply-add helpers.
+//! The x86-64 kernels behind [`super`]: AVX-512 and AVX2 + FMA, one macro for all five
+//! (instruction set × weight type, and AVX-512 BF16's bf16 × bf16), differing only in their
+//! load and multiply-add helpers.
 
 use super::{dot_bf16, dot_bf16_pairs, dot_f32};
 use std::arch::x86_64::*;
@@ -216,7 +217,9 @@ fn mac512_bf16(acc: __m512, w: __m512bh, x: __m512bh) -> __m512 {
     _mm512_dpbf16_ps(acc, w, x)
 }
 
-/// `x` rounded to bf16 (to nearest, ties to even) as raw bits, 16 at a time.
+/// `x` rounded to bf16 (to nearest, ties to even) as raw bits, 16 at a time
+/// (`vcvtneps2bf16`, which also flushes subnormal inputs to zero, as `vdpbf16ps` would
+/// treat them; the scalar tail keeps them).
 ///
 /// # Safety
 /// The CPU has AVX-512F and BF16 ([`has_bf16_dot`]).

@@ -1,5 +1,6 @@
-//! The packed layout's kernel on AVX2, and with AVX-512 VNNI ([`tile_vnni`]) ([`super`]): per group of 8 weight rows and block of
-//! 32 columns, the integer sums of the 8 rows are one vector, for `RX` rows of x at once.
+//! The packed layout's kernel ([`super`]) on AVX2, and with AVX-512 VNNI ([`tile_vnni`], and
+//! `avx512`'s 16-row tile): per group of 8 weight rows and block of 32 columns, the integer
+//! sums of the 8 rows are one vector, for `RX` rows of x at once.
 //!
 //! Nibbles: each 32-byte load is 4 quant bytes of each of the 8 rows; its low nibbles
 //! (weights `4v..4v + 4`) and high nibbles (`16 + 4v..`) go through `maddubs` against x's
@@ -26,9 +27,10 @@ pub(super) const Q5_1: u8 = 4;
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
 
-/// A tile: group `g` of 8 weight rows against rows `i0..` of x (as many as the tile takes),
-/// written to `y`. Called through a pointer, once per group and 4 rows of x: the call is
-/// nothing beside a tile's work, and each tile is compiled for its own instruction set.
+/// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
+/// of x (as many as the tile takes), written to `y`. Called through a pointer, once per
+/// group (or pair) and 4 rows of x: the call is nothing beside a tile's work, and each tile
+/// is compiled for its own instruction set.
 pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
 
 /// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x: on
@@ -40,16 +42,20 @@ pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y:
 /// writes at `i · w.rows + r` for i < M and `8 · g0 <= r < min(8 · g1, w.rows)`, which
 /// nothing else touches meanwhile.
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
-    // SAFETY: the caller's; `tiles` chose for this CPU.
     let vnni = super::super::vnni();
+    // SAFETY: the caller's; `tiles` chose for this CPU.
     unsafe { rows_with(&tiles(w.format, vnni, vnni), w, groups, x, y) }
 }
 
 /// A format's tiles: for `RX` rows of x and for one, of a group of 8 rows, and where the
 /// CPU has them of two adjacent groups at once ([`super::avx512`]).
 pub(super) struct Tiles {
+    /// A group against `RX` rows of x.
     rx: Tile,
+    /// A group against one row of x.
     one: Tile,
+    /// Two adjacent groups against `RX` rows and against one: the 32-weight formats' where
+    /// the CPU has AVX-512 VNNI, else none.
     pair: Option<(Tile, Tile)>,
 }
 
@@ -145,9 +151,9 @@ unsafe fn tile<const F: u8, const R: usize>(
 /// product and its sums fused into one `vpdpbusd` (unsigned quants times x's signed bytes,
 /// summed by four into the 8 rows' 32-bit lanes), so the nibble formats need no 16-bit
 /// stage (nor Q5's flush every second load) and Q8_0's sign trick ends in one instruction
-/// instead of `maddubs` + `madd` + add. Still 256 bits wide: a lane is a weight row, and a
-/// 512-bit register of 16 would need x's bytes for two units side by side (a permute per x
-/// row). VEX-encoded AVX-VNNI (Alder Lake) would run the same body; not wired yet.
+/// instead of `maddubs` + `madd` + add. It takes a group alone (an odd one out of the pairs
+/// `avx512`'s tile takes). VEX-encoded AVX-VNNI (Alder Lake) would run the same body; not
+/// wired yet.
 ///
 /// # Safety
 /// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).

@@ -1,0 +1,94 @@
+//! The prompt's attention against candle's ops and against its own three passes.
+
+use super::*;
+use crate::model::attention::causal_mask;
+use candle_core::Device;
+
+/// Against candle's three ops: 2 groups of 3 heads' 5 queries over 9 keys, causal and
+/// with a sliding window of 3; hidden positions exactly 0.
+#[test]
+fn masked_softmax_matches_candle_ops() -> Result<()> {
+    let dev = Device::Cpu;
+    let scores = Tensor::randn(0f32, 3.0, (1, 2, 3 * 5, 9), &dev)?;
+    for window in [usize::MAX, 3] {
+        let mask = causal_mask(5, 9, window, DType::F32, &dev)?;
+        let got = masked(&scores, 0.125, &mask).expect("taken")?;
+        let want = (scores.reshape((1, 2, 3, 5, 9))? * 0.125)?.broadcast_add(&mask)?;
+        let want = candle_nn::ops::softmax_last_dim(&want)?.reshape((1, 2, 15, 9))?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "window {window}: {diff}");
+        let hidden = mask.broadcast_as((1, 2, 3, 5, 9))?.reshape((1, 2, 15, 9))?;
+        let (got, hidden) = (
+            got.flatten_all()?.to_vec1::<f32>()?,
+            hidden.flatten_all()?.to_vec1::<f32>()?,
+        );
+        assert!(got.iter().zip(&hidden).all(|(g, m)| *m == 0.0 || *g == 0.0));
+    }
+    Ok(())
+}
+
+/// The fused pass against the three it replaces: 2 batches of 2 groups of 2 heads' 150
+/// queries (pieces of 128 rows across the heads' boundary), Dk 24 and Dv 20; the queries
+/// after 0 or 40 cached positions, causal and with a sliding window of 37.
+#[test]
+fn fused_attention_matches_the_three_passes() -> Result<()> {
+    let dev = Device::Cpu;
+    let (t, dk, dv) = (150, 24, 20);
+    for (cached, window) in [(0, usize::MAX), (40, usize::MAX), (40, 37)] {
+        let s = cached + t;
+        let q = Tensor::randn(0f32, 1.0, (2, 2, 2 * t, dk), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (2, 2, s, dk), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (2, 2, s, dv), &dev)?;
+        let mask = causal_mask(t, s, window, DType::F32, &dev)?;
+        let got = attention(&q, &k, &v, 0.2, &mask).expect("taken")?;
+        let scores = products(&q, &k).expect("taken")?;
+        let weights = masked(&scores, 0.2, &mask).expect("taken")?;
+        let want = products(&weights, &v.transpose(2, 3)?).expect("taken")?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{cached} cached, window {window}: {diff}");
+    }
+    Ok(())
+}
+
+/// Rows the mask hides every key from, alone in a piece of visible rows (query 5) and as a
+/// whole piece (queries 106-149 of the second head: its rows 256-299), get zeros as in the
+/// three passes.
+#[test]
+fn fused_attention_gives_hidden_rows_zeros() -> Result<()> {
+    let dev = Device::Cpu;
+    let (t, d) = (150, 16);
+    let causal = causal_mask(t, t, usize::MAX, DType::F32, &dev)?;
+    let mut values = causal.flatten_all()?.to_vec1::<f32>()?;
+    for row in [5].into_iter().chain(106..t) {
+        values[row * t..(row + 1) * t].fill(f32::NEG_INFINITY);
+    }
+    let mask = Tensor::from_vec(values, (t, t), &dev)?;
+    let q = Tensor::randn(0f32, 1.0, (1, 1, 2 * t, d), &dev)?;
+    let k = Tensor::randn(0f32, 1.0, (1, 1, t, d), &dev)?;
+    let v = Tensor::randn(0f32, 1.0, (1, 1, t, d), &dev)?;
+    let got = attention(&q, &k, &v, 0.25, &mask).expect("taken")?;
+    let weights = masked(&products(&q, &k).expect("taken")?, 0.25, &mask).expect("taken")?;
+    let want = products(&weights, &v.transpose(2, 3)?).expect("taken")?;
+    let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-5, "{diff}");
+    let got = got.squeeze(0)?.squeeze(0)?;
+    for row in [5, 106, 149, t + 5, t + 106, 2 * t - 1] {
+        let sum = got.get(row)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+        assert_eq!(sum, 0.0, "row {row}");
+    }
+    Ok(())
+}
+
+/// Against candle's matmul: 2 batches of 3 groups, 300 rows (pieces of 128 and a tail),
+/// b a strided view (a transpose), K = 40.
+#[test]
+fn products_match_candle_matmul() -> Result<()> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (2, 3, 300, 40), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (2, 3, 40, 77), &dev)?.transpose(2, 3)?;
+    let got = products(&a, &b).expect("taken")?;
+    let want = a.matmul(&b.t()?)?;
+    let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-4, "{diff}");
+    Ok(())
+}
