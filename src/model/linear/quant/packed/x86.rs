@@ -3,7 +3,7 @@
 //! sums of the 8 rows are one vector, for `RX` rows of x at once.
 //!
 //! The 32-weight formats' tile of one group is `blocks`' (AVX2 and VNNI forms). The
-//! K-quants' tiles are `q4k` and `q6k`'s (Q4_K's with a VNNI form too, Q6_K's AVX2 only).
+//! K-quants' tiles are `q4k` and `q6k`'s, each in an AVX2 and a VNNI form.
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
@@ -93,6 +93,10 @@ pub(super) fn tiles(format: Format, vnni: bool, pairs: bool) -> Tiles {
             super::q4k::x86::tile_vnni::<1>,
         ),
         Format::Q4K => (super::q4k::x86::tile::<RX>, super::q4k::x86::tile::<1>),
+        Format::Q6K if vnni => (
+            super::q6k::x86::tile_vnni::<RX>,
+            super::q6k::x86::tile_vnni::<1>,
+        ),
         Format::Q6K => (super::q6k::x86::tile::<RX>, super::q6k::x86::tile::<1>),
         Format::Q8_0 => pick::<Q8_0>(vnni),
         Format::Q4_0 => pick::<Q4_0>(vnni),

@@ -1,4 +1,5 @@
-//! [`super`]'s kernel on AVX2: the packed kernel's tile (`packed/x86.rs`) for Q6_K.
+//! [`super`]'s kernel on AVX2 and AVX-512 VNNI: the packed kernel's tile (`packed/x86.rs`)
+//! for Q6_K.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
@@ -41,9 +42,7 @@ const fn masks(a: i8, b: i8) -> [i8; 32] {
 /// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
 pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
     w: &QWeight,
     g: usize,
@@ -51,6 +50,44 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
     i0: usize,
     y: *mut f32,
 ) {
+    // SAFETY: the caller's.
+    unsafe { tile_in::<R, false>(w, g, x, i0, y) }
+}
+
+/// [`tile`] on CPUs with AVX-512 VNNI: a chunk's two loads of products summed straight
+/// into 32-bit lanes by `vpdpbusd`, then times the rows' 8-bit scale (`vpmulld`), where
+/// AVX2 takes two `maddubs`, a 16-bit add and a `madd` by the scales.
+///
+/// # Safety
+/// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub(in crate::model::linear::quant) unsafe fn tile_vnni<const R: usize>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    // SAFETY: the caller's.
+    unsafe { tile_in::<R, true>(w, g, x, i0, y) }
+}
+
+/// The body of [`tile`] (`V` false) and [`tile_vnni`] (`V` true), inlined into each: on its
+/// own it has no target features, and its intrinsics are compiled with the caller's.
+///
+/// # Safety
+/// As [`tile`], and [`tile_vnni`]'s where `V`.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn tile_in<const R: usize, const V: bool>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    i0: usize,
+    y: *mut f32,
+) {
+    // The intrinsics are unsafe calls here (this body has no target features of its own):
+    // it is only ever inlined into `tile` and `tile_vnni`, whose CPUs run them.
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     let (low, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     // SAFETY: 32 bytes each.
@@ -124,18 +161,30 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
                             bcast(xs[j].add(at + 36)),
                         )
                     };
-                    let t_lo = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo0, x0),
-                        _mm256_maddubs_epi16(lo1, x1),
-                    );
-                    let t_hi = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(hi0, x2),
-                        _mm256_maddubs_epi16(hi1, x3),
-                    );
-                    let sum = _mm256_add_epi32(
-                        _mm256_madd_epi16(t_lo, s_lo),
-                        _mm256_madd_epi16(t_hi, s_hi),
-                    );
+                    let sum = if V {
+                        // 32-bit sums of 8 products (at most 8 · 63 · 127) times the scale
+                        // (the high half of each lane of `sc`, sign-extended).
+                        let zero = _mm256_setzero_si256();
+                        let t_lo = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo0, x0), lo1, x1);
+                        let t_hi = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, hi0, x2), hi1, x3);
+                        _mm256_add_epi32(
+                            _mm256_mullo_epi32(t_lo, _mm256_srai_epi32(s_lo, 16)),
+                            _mm256_mullo_epi32(t_hi, _mm256_srai_epi32(s_hi, 16)),
+                        )
+                    } else {
+                        let t_lo = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo0, x0),
+                            _mm256_maddubs_epi16(lo1, x1),
+                        );
+                        let t_hi = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(hi0, x2),
+                            _mm256_maddubs_epi16(hi1, x3),
+                        );
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(t_lo, s_lo),
+                            _mm256_madd_epi16(t_hi, s_hi),
+                        )
+                    };
                     isum[j] = _mm256_add_epi32(isum[j], sum);
                 }
             }
