@@ -292,14 +292,16 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
     }
 }
 
+// `x86` first: its `two_forms!` makes the tiles of `q4k` and `q6k` too.
+#[cfg(target_arch = "x86_64")]
+#[macro_use]
+pub(super) mod x86;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod parts;
 pub(super) mod q4k;
 pub(super) mod q6k;
 mod superblocks;
-#[cfg(target_arch = "x86_64")]
-pub(super) mod x86;
 
 #[cfg(test)]
 mod tests;

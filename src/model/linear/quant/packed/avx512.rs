@@ -6,6 +6,10 @@
 //! units of the two groups, joined. The two groups' 16 columns of y are adjacent, so a
 //! tile's row of results is one store. Q8_0's sign trick takes a byte mask (AVX-512 has no
 //! 512-bit `vpsignb`): x's bytes negated where w is negative, against |w|.
+//!
+//! Its block loop is `x86/blocks.rs`'s `tile_in` in 512-bit registers (the minimums, Q5's
+//! fifth bits, the close per block read the same): the register types and the loads
+//! differ in every line, and a width-generic body would need a trait over both.
 
 use super::super::{QRows, QWeight, BLOCK};
 use super::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};

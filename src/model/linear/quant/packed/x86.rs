@@ -9,6 +9,48 @@ use super::super::{Format, QRows, QWeight};
 use super::ROWS;
 use std::arch::x86_64::*;
 
+/// A tile's two forms from one body: `tile` with AVX2's instructions and `tile_vnni` with
+/// AVX-512 VNNI's (Zen 4 and 5, Ice Lake and later), each `$body::<.., V>` (`V`: VNNI)
+/// inlined into it. The body is `#[inline(always)]` with no target features of its own, so
+/// its intrinsics are compiled with each wrapper's; it says what its VNNI form does.
+/// (VEX-encoded AVX-VNNI, Alder Lake, would run the same bodies: not wired yet.)
+macro_rules! two_forms {
+    ($vis:vis $body:ident<$(const $g:ident: $t:ty),*>) => {
+        /// The tile with AVX2's instructions (what it does: its body's doc).
+        ///
+        /// # Safety
+        /// As `x86::rows` for its group (a pair's: both) and the rows of x from `i0` it
+        /// takes; the CPU has AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        $vis unsafe fn tile<$(const $g: $t),*>(
+            w: &QWeight,
+            g: usize,
+            x: &QRows,
+            i0: usize,
+            y: *mut f32,
+        ) {
+            // SAFETY: the caller's.
+            unsafe { $body::<$($g,)* false>(w, g, x, i0, y) }
+        }
+
+        /// [`tile`] with AVX-512 VNNI's `vpdpbusd`.
+        ///
+        /// # Safety
+        /// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        $vis unsafe fn tile_vnni<$(const $g: $t),*>(
+            w: &QWeight,
+            g: usize,
+            x: &QRows,
+            i0: usize,
+            y: *mut f32,
+        ) {
+            // SAFETY: the caller's.
+            unsafe { $body::<$($g,)* true>(w, g, x, i0, y) }
+        }
+    };
+}
+
 pub(super) const Q8_0: u8 = 0;
 pub(super) const Q4_0: u8 = 1;
 pub(super) const Q4_1: u8 = 2;

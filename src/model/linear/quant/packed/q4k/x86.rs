@@ -8,6 +8,8 @@ use super::super::ROWS;
 use super::GROUP_BYTES;
 use std::arch::x86_64::*;
 
+two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
+
 /// The packed kernel's tile for Q4_K: per pair of sub-blocks, 8 loads of nibbles whose low
 /// halves are the first sub-block and high halves the second, each summed in 16 bits by
 /// `maddubs` (at most 8 · 2 · 15 · 127 = 30,480), then to 32 bits by `madd` with the 8
@@ -16,47 +18,17 @@ use std::arch::x86_64::*;
 /// Then `d · dx` and `dmin · dx`, once per superblock (x has one scale per superblock
 /// against a K-quant).
 ///
+/// With VNNI (`V`) each sub-block's products are summed straight into 32-bit lanes by
+/// `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960), then multiplied by
+/// the rows' 6-bit scale (`vpmulld`), in place of `maddubs`, a 16-bit add per load and the
+/// `madd` by the scales. The body of `tile` and `tile_vnni` (`two_forms!`).
+///
 /// # Safety
-/// AVX2, FMA and F16C; `w` is packed Q4_K and its planes fit its shape (`Superblocks::fits`); group
-/// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
+/// The CPU runs AVX2, FMA and F16C, and AVX-512 VNNI where `V`; `w` is packed Q4_K and its
+/// planes fit its shape (`Superblocks::fits`); group `g` and rows `i0..i0 + R` of x (of
+/// `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<R, false>(w, g, x, i0, y) }
-}
-
-/// [`tile`] on CPUs with AVX-512 VNNI: each sub-block's products summed straight into 32-bit
-/// lanes by `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960), then
-/// multiplied by the rows' 6-bit scale (`vpmulld`), where AVX2 takes `maddubs`, a 16-bit add
-/// per load and a `madd` by the scales.
-///
-/// # Safety
-/// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(in crate::model::linear::quant) unsafe fn tile_vnni<const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<R, true>(w, g, x, i0, y) }
-}
-
-/// The body of [`tile`] (`V` false) and [`tile_vnni`] (`V` true), inlined into each: on its
-/// own it has no target features, and its intrinsics are compiled with the caller's.
-///
-/// # Safety
-/// As [`tile`], and [`tile_vnni`]'s where `V`.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile_in<const R: usize, const V: bool>(

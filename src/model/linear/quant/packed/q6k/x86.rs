@@ -29,6 +29,8 @@ const fn masks(a: i8, b: i8) -> [i8; 32] {
     m
 }
 
+two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
+
 /// The packed kernel's tile for Q6_K: per pair of 32-weight chunks, two nibble loads and
 /// one load of high bits make the 6-bit quants of 4 weights of each chunk twice over (the
 /// high bits to bits 4-5 by one shift and a mask); `maddubs` against x, two loads' products
@@ -37,46 +39,17 @@ const fn masks(a: i8, b: i8) -> [i8; 32] {
 /// weights, by `madd` of the rows' scale pairs against x's sums. Then `d · dx` once per
 /// superblock.
 ///
+/// With VNNI (`V`) a chunk's two loads of products are summed straight into 32-bit lanes
+/// by `vpdpbusd`, then multiplied by the rows' 8-bit scale (`vpmulld`), in place of two
+/// `maddubs`, a 16-bit add and the `madd` by the scales. The body of `tile` and `tile_vnni`
+/// (`two_forms!`).
+///
 /// # Safety
-/// AVX2, FMA and F16C; `w` is packed Q6_K and its planes fit its shape (`Superblocks::fits`); group
-/// `g` and rows `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
+/// The CPU runs AVX2, FMA and F16C, and AVX-512 VNNI where `V`; `w` is packed Q6_K and its
+/// planes fit its shape (`Superblocks::fits`); group `g` and rows `i0..i0 + R` of x (of
+/// `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::model::linear::quant) unsafe fn tile<const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<R, false>(w, g, x, i0, y) }
-}
-
-/// [`tile`] on CPUs with AVX-512 VNNI: a chunk's two loads of products summed straight
-/// into 32-bit lanes by `vpdpbusd`, then times the rows' 8-bit scale (`vpmulld`), where
-/// AVX2 takes two `maddubs`, a 16-bit add and a `madd` by the scales.
-///
-/// # Safety
-/// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(in crate::model::linear::quant) unsafe fn tile_vnni<const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<R, true>(w, g, x, i0, y) }
-}
-
-/// The body of [`tile`] (`V` false) and [`tile_vnni`] (`V` true), inlined into each: on its
-/// own it has no target features, and its intrinsics are compiled with the caller's.
-///
-/// # Safety
-/// As [`tile`], and [`tile_vnni`]'s where `V`.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn tile_in<const R: usize, const V: bool>(
@@ -101,7 +74,8 @@ unsafe fn tile_in<const R: usize, const V: bool>(
     for c in 0..n {
         let u = g * n + c;
         // SAFETY (every weight load below): superblock u holds 8 scales from u · 8 and
-        // GROUP_BYTES of quants from u · GROUP_BYTES (`Superblocks::fits`); x's rows i0..i0 + R hold
+        // GROUP_BYTES of quants from u · GROUP_BYTES (`Superblocks::fits`); x's rows
+        // i0..i0 + R hold
         // n superblocks.
         let (d, base) = unsafe {
             (

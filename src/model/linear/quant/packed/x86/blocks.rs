@@ -17,49 +17,17 @@ use super::super::ROWS;
 use super::{bcast, half8, store, x_rows, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use std::arch::x86_64::*;
 
-/// Group `g` against rows `i0..i0 + R` of x, written to `y`, with AVX2's instructions.
-///
-/// # Safety
-/// As `x86::rows`, for group `g` and rows `i0..i0 + R` of x.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile<const F: u8, const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<F, R, false>(w, g, x, i0, y) }
-}
+two_forms!(pub(super) tile_in<const F: u8, const R: usize>);
 
-/// [`tile`] on CPUs with AVX-512 VNNI (Zen 4 and 5, Ice Lake and later): each 4-byte
-/// product and its sums fused into one `vpdpbusd` (unsigned quants times x's signed bytes,
-/// summed by four into the 8 rows' 32-bit lanes), so the nibble formats need no 16-bit
-/// stage (nor Q5's flush every second load) and Q8_0's sign trick ends in one instruction
-/// instead of `maddubs` + `madd` + add. It takes a group alone (an odd one out of the pairs
-/// `avx512`'s tile takes). VEX-encoded AVX-VNNI (Alder Lake) would run the same body; not
-/// wired yet.
+/// Group `g` against rows `i0..i0 + R` of x, written to `y`: the body of `tile` (`V` false)
+/// and `tile_vnni` (`V` true). With VNNI each 4-byte product and its sums are one
+/// `vpdpbusd` (unsigned quants times x's signed bytes, summed by four into the 8 rows'
+/// 32-bit lanes), so the nibble formats need no 16-bit stage (nor Q5's flush every second
+/// load) and Q8_0's sign trick ends in one instruction instead of `maddubs` + `madd` + add.
+/// `tile_vnni` takes a group alone (an odd one out of the pairs `avx512`'s tile takes).
 ///
 /// # Safety
-/// As [`tile`], and the CPU has AVX-512F, VL and VNNI (`quant::vnni`).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(super) unsafe fn tile_vnni<const F: u8, const R: usize>(
-    w: &QWeight,
-    g: usize,
-    x: &QRows,
-    i0: usize,
-    y: *mut f32,
-) {
-    // SAFETY: the caller's.
-    unsafe { tile_in::<F, R, true>(w, g, x, i0, y) }
-}
-
-/// The body of [`tile`] (`V` false) and [`tile_vnni`] (`V` true), inlined into each: on its
-/// own it has no target features, and its intrinsics are compiled with the caller's.
-///
-/// # Safety
-/// As [`tile`], and [`tile_vnni`]'s where `V`.
+/// As `tile`, and `tile_vnni`'s where `V`.
 // The tile's loops index the accumulators and x's rows together.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
