@@ -524,29 +524,58 @@ fn probe_block_decode() -> candle_core::Result<()> {
 /// The decode attention op alone, at SmolLM2-135M's shapes over a bf16 cache: MLA's absorbed
 /// form (nine heads over one latent row of 128, values its first 64) against the original's
 /// GQA (nine heads, three K/V heads of 64) and MQA; best of 30 × 10 calls per layer, and the
-/// multiply-adds per second that implies.
+/// multiply-adds per second that implies. Then, as a model reads them, 30 layers' caches in
+/// turn (SmolLM2's depth: the caches no longer fit the CPU's caches), at 6000 positions.
 /// `cargo test --release --test kernel probe_decode_attention -- --ignored --nocapture`
 #[test]
 #[ignore]
 fn probe_decode_attention() -> candle_core::Result<()> {
     use tiny_decoder::model::attention::sdpa;
     let dev = Device::Cpu;
-    let time = |name: &str, q: &Tensor, k: &Tensor, v: &Tensor, macs: usize| {
+    let time_layers = |name: &str, layers: &[(Tensor, Tensor, Tensor)], macs: usize| {
         let mut best = f64::MAX;
         for _ in 0..30 {
             let t = std::time::Instant::now();
             for _ in 0..10 {
-                sdpa(q, k, v, 0.1, None)?;
+                for (q, k, v) in layers {
+                    sdpa(q, k, v, 0.1, None)?;
+                }
             }
-            best = best.min(t.elapsed().as_secs_f64() / 10.0);
+            best = best.min(t.elapsed().as_secs_f64() / (10 * layers.len()) as f64);
         }
         let gmacs = macs as f64 / best / 1e9;
         println!("{name}: {:.1} us per layer, {gmacs:.1} GMAC/s", best * 1e6);
         candle_core::Result::Ok(())
     };
+    let time = |name: &str, q: &Tensor, k: &Tensor, v: &Tensor, macs: usize| {
+        time_layers(name, &[(q.clone(), k.clone(), v.clone())], macs)
+    };
     let bf16 = |shape: (usize, usize, usize, usize)| {
         Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)
     };
+    let s = 6000;
+    // MLA of latent rank r (and a RoPE key of 64), or GQA 9/3 for r = 0.
+    let layers = |r: usize| {
+        (0..30)
+            .map(|_| match r {
+                1.. => {
+                    let rows = bf16((1, 1, s, r + 64))?;
+                    let v = rows.narrow(3, 0, r)?;
+                    Ok((Tensor::randn(0f32, 1.0, (1, 9, 1, r + 64), &dev)?, rows, v))
+                }
+                0 => Ok((
+                    Tensor::randn(0f32, 1.0, (1, 9, 1, 64), &dev)?,
+                    bf16((1, 3, s, 64))?,
+                    bf16((1, 3, s, 64))?,
+                )),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()
+    };
+    for r in [64, 192] {
+        let name = format!("mla:{r},rope=64 at 6000, 30 layers");
+        time_layers(&name, &layers(r)?, s * 9 * (2 * r + 64))?;
+    }
+    time_layers("gqa 9/3 at 6000, 30 layers", &layers(0)?, s * 9 * 128)?;
     for s in [2000, 6000] {
         let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 128), &dev)?;
         let rows = bf16((1, 1, s, 128))?;

@@ -22,6 +22,7 @@ use crate::model::pool::Pool;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Result, Shape};
 use half::bf16;
+use query::{Queries, Query};
 
 /// Cached positions per block: enough work per block to pay for the hand-off, and a block's
 /// keys and values (2 × 256 × 128 × 4 bytes at most for the usual head sizes) stay in L2.
@@ -75,14 +76,14 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str, gaps: bool) -> Result
 }
 
 /// The cache's element types: f32 as is, bf16 as raw bits (keys for the pair-reading
-/// kernel, values widened in [`accumulate`]). The query comes in the layout the key kernel
-/// reads: as is for f32, [`simd::pair_layout`] for bf16, made once per step by the caller.
+/// kernels, values widened in [`accumulate`]). The query comes in the form the key kernel
+/// reads ([`Query`]), made once per step by the caller.
 pub(super) trait Cached: Copy + Sync {
     /// `out[h·ld + j]` = query head h · key row j, for every row of `k`.
     ///
     /// # Safety
     /// `out` is valid for writes at every `h·ld + j` and nothing else touches them.
-    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[Self], out: *mut f32, ld: usize);
+    unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[Self], out: *mut f32, ld: usize);
     fn widen(self) -> f32;
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
@@ -90,9 +91,9 @@ pub(super) trait Cached: Copy + Sync {
 }
 
 impl Cached for f32 {
-    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[f32], out: *mut f32, ld: usize) {
+    unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[f32], out: *mut f32, ld: usize) {
         // SAFETY: the caller's contract is the kernel's.
-        unsafe { simd::rows_f32_strided(isa, q, d, k, out, ld) }
+        unsafe { simd::rows_f32_strided(isa, q.f32, d, k, out, ld) }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -106,9 +107,14 @@ impl Cached for f32 {
 }
 
 impl Cached for u16 {
-    unsafe fn scores(isa: Isa, q: &[f32], d: usize, k: &[u16], out: *mut f32, ld: usize) {
-        // SAFETY: as for f32.
-        unsafe { simd::rows_bf16_strided(isa, q, d, k, out, ld) }
+    unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[u16], out: *mut f32, ld: usize) {
+        // SAFETY: as for f32 (bf16 queries only where `isa` multiplies bf16 pairs).
+        unsafe {
+            match q.bf16.is_empty() {
+                true => simd::rows_bf16_strided(isa, q.f32, d, k, out, ld),
+                false => simd::rows_bf16_pairs_strided(isa, q.bf16, d, k, out, ld),
+            }
+        }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -122,12 +128,12 @@ impl Cached for u16 {
 }
 
 /// Attention over some positions of one (batch, K/V head): `q` holds the group's query heads
-/// (hg × dk, in the layout of [`Cached`]), `k` and `v` that head's cached rows from pool
+/// (hg × dk), `k` and `v` that head's cached rows from pool
 /// position 0 (v's `vs` apart), `runs` the positions as (first pool row, rows) in order.
 fn block<T: Cached>(
     isa: Isa,
     scale: f32,
-    q: &[f32],
+    q: Query,
     (k, v): (&[T], &[T]),
     (dk, dv, vs): (usize, usize, usize),
     runs: &[(usize, usize)],
@@ -178,12 +184,11 @@ fn block<T: Cached>(
     Partial { max, sum, acc }
 }
 
-/// One (sequence, K/V head) of a step: its group's query heads (hg × dk, in the layout of
-/// [`Cached`]), that head's cached keys and values from the row its positions count from
+/// One (sequence, K/V head) of a step: its group's query heads (hg × dk), that head's cached keys and values from the row its positions count from
 /// (value rows `vs` apart), and where its `len` positions are: through `pages`, or the first
 /// `len` rows.
 struct Head<'a, T> {
-    q: &'a [f32],
+    q: Query<'a>,
     k: &'a [T],
     v: &'a [T],
     vs: usize,
@@ -240,11 +245,10 @@ fn attend<T: Cached>(scale: f32, heads: &[Head<'_, T>], (dk, dv): (usize, usize)
     out
 }
 
-/// [`attend`] over the op's (batch, K/V head)s: q (B, H, 1, Dk) in the layout of
-/// [`Cached`], k and v (B, G, S, ..) as laid out, every one at the op's positions.
+/// [`attend`] over the op's (batch, K/V head)s: q (B, H, 1, Dk), k and v (B, G, S, ..) as laid out, every one at the op's positions.
 fn attend_op<T: Cached>(
     op: &DecodeAttention,
-    q: &[f32],
+    q: Query,
     (k, kl): (&[T], &Layout),
     (v, vl): (&[T], &Layout),
     (b, h, dk): (usize, usize, usize),
@@ -263,7 +267,7 @@ fn attend_op<T: Cached>(
 /// `pages` (or the first `len` rows).
 fn push_heads<'a, T: Cached>(
     heads: &mut Vec<Head<'a, T>>,
-    (q, s, h, dk): (&'a [f32], usize, usize, usize),
+    (q, s, h, dk): (Query<'a>, usize, usize, usize),
     (k, kl): (&'a [T], &Layout),
     (v, vl): (&'a [T], &Layout),
     b: usize,
@@ -276,7 +280,7 @@ fn push_heads<'a, T: Cached>(
         let (vo, vs) = head_offset(vl, b, gi, "v", true)?;
         let q0 = (s * h + gi * hg) * dk;
         heads.push(Head {
-            q: &q[q0..q0 + hg * dk],
+            q: q.slice(q0..q0 + hg * dk),
             k: &k[ko..ko + rows * dk],
             v: &v[vo..vo + (rows - 1) * vs + dv],
             vs,
@@ -325,18 +329,19 @@ impl CustomOp3 for DecodeAttention<'_> {
         let shape = Shape::from((b, h, 1, dv));
         Ok(match (qs, ks, vs) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let out = attend_op(self, &q[q0..q1], (k, kl), (v, vl), (b, h, dk))?;
+                let out = attend_op(self, Query::f32(&q[q0..q1]), (k, kl), (v, vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
             // f32 activations over a bf16 cache (`crate::model::activation_dtype`).
             (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let q = simd::pair_layout(&q[q0..q1], dk, |v| v);
-                let out = attend_op(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
+                let q = Queries::bf16(Isa::current(), &q[q0..q1], dk);
+                let out = attend_op(self, q.view(), (bits(k), kl), (bits(v), vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let q = simd::pair_layout(&q[q0..q1], dk, bf16::to_f32);
-                let out = attend_op(self, &q, (bits(k), kl), (bits(v), vl), (b, h, dk))?;
+                let q: Vec<f32> = q[q0..q1].iter().map(|v| v.to_f32()).collect();
+                let q = Queries::bf16(Isa::current(), &q, dk);
+                let out = attend_op(self, q.view(), (bits(k), kl), (bits(v), vl), (b, h, dk))?;
                 (
                     CpuStorage::BF16(out.into_iter().map(bf16::from_f32).collect()),
                     shape,
@@ -355,6 +360,7 @@ impl CustomOp3 for DecodeAttention<'_> {
 #[cfg(target_arch = "aarch64")]
 mod arm;
 mod each;
+mod query;
 mod tile;
 
 pub use each::attend_each;

@@ -14,6 +14,7 @@ pub use lowrank::LowRankAttention;
 pub use mla::MlaAttention;
 pub use spans::sdpa_spans;
 
+use super::linear::simd;
 use super::rope::Rotation;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::{Held, LayerView};
@@ -168,8 +169,15 @@ pub fn sdpa(
         // and narrow its result, the (.., T, S) scores four times over. In f32 from here on,
         // only q, k and v are widened (SmolLM-135M bf16 prefill of 512 tokens on the AVX2
         // host: 168 -> 186 tok/s, medians of 3 alternating runs).
+        // A bf16 cache's keys meet the query rounded to bf16 where the CPU multiplies bf16
+        // pairs, as the decode op's do ([`decode`]), so that a prompt and its decode agree.
+        let pairs = k.dtype() == DType::BF16 && simd::bf16_pairs(simd::Isa::current());
         let w = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa(&w(q)?, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
+        let qw = match pairs {
+            true => w(&q.to_dtype(DType::BF16)?)?,
+            false => w(q)?,
+        };
+        return sdpa(&qw, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
     }
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
     if let Some(y) = mask.and_then(|mask| prompt::attention(&q, k, v, scale as f32, mask)) {

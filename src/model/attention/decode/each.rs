@@ -8,6 +8,7 @@
 //! per sequence. The caches are tensors of their own (one pool's shared tensors, or one
 //! per sequence), more than a candle op takes, so this reads their storages directly.
 
+use super::query::{Queries, Query};
 use super::{attend, bits, push_heads, Cached};
 use crate::kv_cache::{Held, Pages};
 use crate::model::linear::simd;
@@ -51,13 +52,13 @@ pub fn attend_each(scale: f32, q: &[f32], h: usize, helds: &[&Held]) -> Result<V
         let caches = pairs
             .map(|(k, kl, v, vl)| Ok(((f32s(k)?, kl), (f32s(v)?, vl))))
             .collect::<Result<Vec<_>>>()?;
-        return run(scale, q, (h, dk), &caches, &pages);
+        return run(scale, Query::f32(q), (h, dk), &caches, &pages);
     }
     let caches = pairs
         .map(|(k, kl, v, vl)| Ok(((bf16s(k)?, kl), (bf16s(v)?, vl))))
         .collect::<Result<Vec<_>>>()?;
-    let q = simd::pair_layout(q, dk, |v| v);
-    run(scale, &q, (h, dk), &caches, &pages)
+    let q = Queries::bf16(simd::Isa::current(), q, dk);
+    run(scale, q.view(), (h, dk), &caches, &pages)
 }
 
 type Cache<'a, T> = ((&'a [T], &'a Layout), (&'a [T], &'a Layout));
@@ -65,7 +66,7 @@ type Cache<'a, T> = ((&'a [T], &'a Layout), (&'a [T], &'a Layout));
 /// [`attend`] over every sequence's K/V heads.
 fn run<T: Cached>(
     scale: f32,
-    q: &[f32],
+    q: Query,
     (h, dk): (usize, usize),
     caches: &[Cache<'_, T>],
     pages: &[Option<&Pages>],

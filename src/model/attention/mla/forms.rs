@@ -120,13 +120,17 @@ impl MlaAttention {
         };
         let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
                                                                           // One new token: the fused op reads the values as a view of the rows (through the
-                                                                          // block table of a paged cache). Otherwise candle's ops, in the activations' dtype,
-                                                                          // on contiguous values.
+                                                                          // block table of a paged cache). Otherwise `sdpa` on contiguous values: on CPU in the
+                                                                          // cache's dtype (it widens bf16 rows, and rounds the query to meet them as the decode
+                                                                          // op does), elsewhere in the activations'.
         let o_lat = match t == 1 && mask.is_none() && decode::takes(&rows.k) {
             true => sdpa_held(&q, rows, m.softmax_scale, mask)?,
             false => {
                 let (rows, _) = rows.gathered()?;
-                let rows = rows.to_dtype(act)?;
+                let rows = match rows.device().is_cpu() {
+                    true => rows,
+                    false => rows.to_dtype(act)?,
+                };
                 let v = rows.narrow(D::Minus1, 0, r)?.contiguous()?;
                 sdpa(&q, &rows, &v, m.softmax_scale, mask)?
             }
