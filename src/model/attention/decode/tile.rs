@@ -99,7 +99,10 @@ fn tile<T: Cached, const MR: usize, const CH: usize, const FMA: bool>(
     let l = p.len() / MR;
     let mut c = 0;
     while c + CH <= dv {
-        let mut sums = [[0f32; CH]; MR];
+        // From acc, not 0: a block read in several runs (a paged cache) adds its rows in the
+        // order of one run.
+        let mut sums: [[f32; CH]; MR] =
+            std::array::from_fn(|r| acc[r * dv + c..][..CH].try_into().expect("CH values"));
         for j in 0..l {
             let row: &[T; CH] = v[j * vs + c..j * vs + c + CH]
                 .try_into()
@@ -114,9 +117,7 @@ fn tile<T: Cached, const MR: usize, const CH: usize, const FMA: bool>(
             }
         }
         for (r, sum) in sums.iter().enumerate() {
-            for (a, s) in acc[r * dv + c..r * dv + c + CH].iter_mut().zip(sum) {
-                *a += s;
-            }
+            acc[r * dv + c..r * dv + c + CH].copy_from_slice(sum);
         }
         c += CH;
     }
