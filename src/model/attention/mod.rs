@@ -154,7 +154,9 @@ pub fn sdpa(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    if q.dim(2)? == 1 && mask.is_none() && decode_takes(q, k, v) {
+    let (b, h, t, dk) = q.dims4()?;
+    let g = k.dim(1)?;
+    if t == 1 && mask.is_none() && decode_takes(q, k, v) {
         let op = decode::DecodeAttention {
             scale: scale as f32,
             pages: None,
@@ -167,41 +169,25 @@ pub fn sdpa(
         // and narrow its result, the (.., T, S) scores four times over. In f32 from here on,
         // only q, k and v are widened (SmolLM-135M bf16 prefill of 512 tokens on the AVX2
         // host: 168 -> 186 tok/s, medians of 3 alternating runs).
-        // Where the decode op reads a bf16 cache as bf16 pairs, the query and the weights
-        // are rounded to bf16 alike, so that a prompt and its decode agree.
+        // A bf16 cache's keys meet the query rounded to bf16 where the CPU multiplies bf16
+        // pairs, as the decode op's do ([`decode`]), so that a prompt and its decode agree.
         let pairs = k.dtype() == DType::BF16 && simd::bf16_pairs(simd::Isa::current());
         let w = |t: &Tensor| t.to_dtype(DType::F32);
         let qw = match pairs {
             true => w(&q.to_dtype(DType::BF16)?)?,
             false => w(q)?,
         };
-        return grouped(&qw, &w(k)?, &w(v)?, scale, mask, pairs)?.to_dtype(q.dtype());
+        return sdpa(&qw, &w(k)?, &w(v)?, scale, mask)?.to_dtype(q.dtype());
     }
-    grouped(q, k, v, scale, mask, false)
-}
-
-/// [`sdpa`] past the decode op, its operands in one dtype; `bf16_weights`: the attention
-/// weights rounded to bf16 before they meet v.
-fn grouped(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    mask: Option<&Tensor>,
-    bf16_weights: bool,
-) -> Result<Tensor> {
-    let (b, h, t, dk) = q.dims4()?;
-    let g = k.dim(1)?;
     let q = q.contiguous()?.reshape((b, g, (h / g) * t, dk))?; // (B, G, H/G·T, Dk)
-    let fused = mask.and_then(|mask| prompt::attention(&q, k, v, scale as f32, mask, bf16_weights));
-    if let Some(y) = fused {
+    if let Some(y) = mask.and_then(|mask| prompt::attention(&q, k, v, scale as f32, mask)) {
         return y?.reshape((b, h, t, v.dim(3)?)); // (B, H, T, Dv)
     }
     let scores = match prompt::products(&q, k) {
         Some(scores) => scores?,
         None => q.matmul(&k.t()?)?,
     }; // (B, G, H/G·T, S)
-    attend(&scores, v, (h, t), scale, mask, bf16_weights)
+    attend(&scores, v, h, t, scale, mask)
 }
 
 /// Whether the decode op takes these: one dtype throughout, or f32 queries over a bf16 cache.
@@ -236,20 +222,16 @@ pub fn sdpa_held(q: &Tensor, held: &Held, scale: f64, mask: Option<&Tensor>) -> 
 pub fn attend(
     scores: &Tensor,
     v: &Tensor,
-    (h, t): (usize, usize),
+    h: usize,
+    t: usize,
     scale: f64,
     mask: Option<&Tensor>,
-    bf16_weights: bool,
 ) -> Result<Tensor> {
-    let rounded = |att: Tensor| match bf16_weights {
-        true => att.to_dtype(DType::BF16)?.to_dtype(v.dtype()),
-        false => att.to_dtype(v.dtype()),
-    };
     let (b, g, _, s) = scores.dims4()?;
     let dv = v.dim(3)?;
     let att = scores.to_dtype(DType::F32)?;
     if let Some(weights) = mask.and_then(|mask| prompt::masked(&att, scale as f32, mask)) {
-        let att = rounded(weights?)?;
+        let att = weights?.to_dtype(v.dtype())?;
         let y = match prompt::products(&att, &v.transpose(2, 3)?) {
             Some(y) => y?,
             None => att.matmul(v)?,
@@ -263,7 +245,7 @@ pub fn attend(
             .broadcast_add(&mask.to_dtype(DType::F32)?)?,
         None => att,
     };
-    let att = rounded(candle_nn::ops::softmax_last_dim(&att)?)?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(v.dtype())?;
     let att = att.reshape((b, g, (h / g) * t, s))?;
     att.matmul(v)?.reshape((b, h, t, dv)) // (B, H, T, Dv)
 }

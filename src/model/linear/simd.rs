@@ -286,16 +286,6 @@ pub fn bf16_bits_of(isa: Isa, x: &[f32]) -> Vec<u16> {
         .collect()
 }
 
-/// Each value rounded to the nearest bf16 (ties to even), kept as f32: the value a bf16
-/// operand of [`rows_bf16_pairs_strided`] holds. Integer operations on the bits, which the
-/// compiler vectorizes; for finite values.
-pub fn round_to_bf16(x: &mut [f32]) {
-    for v in x {
-        let b = v.to_bits();
-        *v = f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000);
-    }
-}
-
 /// [`rows_f32_strided`] for bf16 x and bf16 weights, both as raw bits in their natural
 /// order, where [`bf16_pairs`]: one `vdpbf16ps` per 16 pairs of each (the products exact in
 /// f32, summed in f32). Elsewhere the scalar loop, the tests' reference.

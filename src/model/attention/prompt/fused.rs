@@ -14,7 +14,7 @@
 use super::{weights_row, PRODUCT_ROWS};
 use crate::model::cpu::f32_rows;
 use crate::model::linear::prefill::{self, Weights};
-use crate::model::linear::simd::{self, Isa};
+use crate::model::linear::simd::Isa;
 use crate::model::pool::{Disjoint, Pool};
 use candle_core::{DType, Error, Result, Storage, Tensor};
 use std::cell::RefCell;
@@ -23,15 +23,13 @@ use std::cell::RefCell;
 /// group's heads, T queries each), k (B, G, S, Dk), v (B, G, S, Dv), the mask (T, S) of 0 and
 /// -inf; f32 on CPU, S > 0 and more than 16 query rows, else `None` (the three passes).
 /// Returns (B, G, R, Dv); a row the mask hides every key from gets zeros, as
-/// [`super::masked`] gives it. `bf16_weights`: the weights rounded to bf16 before they
-/// meet v.
+/// [`super::masked`] gives it.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f32,
     mask: &Tensor,
-    bf16_weights: bool,
 ) -> Option<Result<Tensor>> {
     let f32_cpu = |t: &&Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
     let ours = [q, k, v, mask].iter().all(f32_cpu)
@@ -46,7 +44,7 @@ pub fn attention(
         && mask
             .dim(0)
             .is_ok_and(|t| t > 0 && q.dims()[2].is_multiple_of(t));
-    ours.then(|| checked(q, k, v, scale, mask, bf16_weights))
+    ours.then(|| checked(q, k, v, scale, mask))
 }
 
 /// What a piece reads: the operands as rows, their sizes, and the columns each mask row
@@ -58,7 +56,6 @@ struct Operands<'a> {
     hide: &'a [f32],
     /// Per mask row: the columns from its first 0 to its last (none: an empty range).
     shown: Vec<(usize, usize)>,
-    bf16_weights: bool,
     /// Query rows per group (R), keys (S), mask rows (T), Dk, Dv.
     r: usize,
     s: usize,
@@ -68,14 +65,7 @@ struct Operands<'a> {
 }
 
 /// [`attention`] once its operands are checked.
-fn checked(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    mask: &Tensor,
-    bf16_weights: bool,
-) -> Result<Tensor> {
+fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Result<Tensor> {
     let (bs, g, r, dk) = q.dims4()?;
     let (s, dv, t) = (k.dim(2)?, v.dim(3)?, mask.dim(0)?);
     let (q, k, v, mask) = (
@@ -106,7 +96,6 @@ fn checked(
         v: rows(2, "v")?,
         hide,
         shown,
-        bf16_weights,
         r,
         s,
         t,
@@ -171,9 +160,6 @@ unsafe fn piece(
         prefill::product(x, dk, Weights::F32(keys), scores);
         for (j, row) in scores.chunks_exact_mut(n).enumerate() {
             weights_row(isa, row, scale, &o.hide[(r0 + j) % t * s + c0..][..n]);
-            if o.bf16_weights {
-                simd::round_to_bf16(row);
-            }
         }
         // SAFETY: the scores are (r1 - r0) × n; v's rows c0..c1 of this head are Dv wide,
         // read as the columns of vᵀ (stride 1 between its rows, Dv between its columns);
