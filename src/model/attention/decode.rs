@@ -365,7 +365,7 @@ mod tile;
 
 pub use each::attend_each;
 pub(crate) use tile::exp;
-pub(super) use tile::softmax_row;
+pub(super) use tile::{accumulate, softmax_row};
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

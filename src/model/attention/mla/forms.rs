@@ -7,8 +7,10 @@ use super::{MlaAttention, UpProj};
 use crate::config::MlaConfig;
 use crate::kv_cache::Held;
 use crate::model::attention::{decode, sdpa, sdpa_held};
+use crate::model::cpu::f32_rows;
+use crate::model::linear::simd::{self, Isa};
 use crate::model::linear::{matvec, Linear};
-use candle_core::{Error, Result, Tensor, D};
+use candle_core::{DType, Error, Result, Storage, Tensor, D};
 
 /// `q_proj` and `o_proj` with `kv_b_proj` folded in ([`UpProj::Folded`]), in q_proj's and
 /// o_proj's dtype: per head, the query's nope rows become `W_UKᵀ · W_q,nope` (r rows) beside
@@ -114,15 +116,16 @@ impl MlaAttention {
                     .transpose(0, 1)?
                     .contiguous()?
                     .reshape((h, b * t, m.qk_nope_head_dim))?;
-                let q_lat = q_nope.matmul(w_uk)?.to_dtype(act)?;
+                let q_lat = per_head(&q_nope, w_uk, false)?.to_dtype(act)?;
                 q_lat.reshape((h, b, t, r))?.transpose(0, 1)? // (B, H, T, r)
             }
         };
-        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?; // (B, H, T, r + rope)
-                                                                          // One new token: the fused op reads the values as a view of the rows (through the
-                                                                          // block table of a paged cache). Otherwise `sdpa` on contiguous values: on CPU in the
-                                                                          // cache's dtype (it widens bf16 rows, and rounds the query to meet them as the decode
-                                                                          // op does), elsewhere in the activations'.
+        // (B, H, T, r + rope)
+        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?;
+        // One new token: the fused op reads the values as a view of the rows (through the
+        // block table of a paged cache). Otherwise `sdpa` on contiguous values: on CPU in the
+        // cache's dtype (it widens bf16 rows, and where the decode op reads them as bf16
+        // pairs, rounds the query alike), elsewhere in the activations'.
         let o_lat = match t == 1 && mask.is_none() && decode::takes(&rows.k) {
             true => sdpa_held(&q, rows, m.softmax_scale, mask)?,
             false => {
@@ -144,9 +147,56 @@ impl MlaAttention {
             .transpose(0, 1)?
             .contiguous()?
             .reshape((h, b * t, r))?;
-        let o = o_lat.matmul(&w_uv.transpose(1, 2)?)?;
+        let o = per_head(&o_lat, w_uv, true)?;
         o.reshape((h, b, t, m.v_head_dim))?
             .transpose(0, 1)? // (B, H, T, v)
             .to_dtype(act)
     }
+}
+
+/// `x (H, M, K)` times each head's `w`, (H, M, N): `w` (H, K, N) gives `x_h · w_h`, and with
+/// `rows` a `w` of (H, N, K) gives `x_h · w_hᵀ`. On CPU in f32, head after head on this
+/// thread by the decode op's value sum ([`decode::accumulate`]) or the kernels' rows product
+/// ([`simd::rows_f32`]): candle's batched matmul ran its general gemm on these small
+/// products (one row of x a head in a decode step), 11% of `mla:192,rope=64`'s step on two
+/// cores. Elsewhere candle's matmul.
+fn per_head(x: &Tensor, w: &Tensor, rows: bool) -> Result<Tensor> {
+    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !(f32_cpu(x) && f32_cpu(w)) {
+        return match rows {
+            true => x.matmul(&w.transpose(1, 2)?),
+            false => x.matmul(w),
+        };
+    }
+    let ((h, m, k), (wh, a, b)) = (x.dims3()?, w.dims3()?);
+    let (inner, n) = match rows {
+        true => (b, a),
+        false => (a, b),
+    };
+    if wh != h || inner != k || k == 0 {
+        return Err(Error::Msg(format!(
+            "MLA per-head product: x {:?} and w {:?} do not fit",
+            x.dims(),
+            w.dims()
+        )));
+    }
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let mut y = vec![0f32; h * m * n];
+    {
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
+            return Err(Error::Msg("MLA per-head product: not on the CPU".into()));
+        };
+        let (xv, wv) = (f32_rows(xs, xl, "MLA's x")?, f32_rows(ws, wl, "MLA's w")?);
+        let isa = Isa::current();
+        let heads = xv.chunks_exact(m * k).zip(wv.chunks_exact(k * n));
+        for ((xh, wh), yh) in heads.zip(y.chunks_exact_mut(m * n)) {
+            match rows {
+                true => simd::rows_f32(isa, xh, k, wh, yh),
+                false => decode::accumulate(isa, xh, wh, (n, n), yh),
+            }
+        }
+    }
+    Tensor::from_vec(y, (h, m, n), x.device())
 }
