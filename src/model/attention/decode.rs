@@ -1,5 +1,6 @@
 //! Attention for one new token, the whole of it in one candle op on CPU: scores, softmax and
-//! the weighted sum of values, read straight from the cache views, in f32.
+//! the weighted sum of values, read straight from the cache views, in f32 (on AVX-512 BF16
+//! a bf16 cache's keys meet the query rounded to bf16, as bf16 pairs: [`query`]).
 //!
 //! Through candle's ops this step is ten tensor ops per layer, and its small batched matmuls
 //! read the cache far below the memory bandwidth (decode at 2k positions ran at half the
@@ -92,8 +93,11 @@ pub(super) trait Cached: Copy + Sync {
 
 impl Cached for f32 {
     unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[f32], out: *mut f32, ld: usize) {
+        let Query::F32(q) = q else {
+            unreachable!("an f32 cache's query is f32 (`attend_op`, `attend_each`)");
+        };
         // SAFETY: the caller's contract is the kernel's.
-        unsafe { simd::rows_f32_strided(isa, q.f32, d, k, out, ld) }
+        unsafe { simd::rows_f32_strided(isa, q, d, k, out, ld) }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -110,9 +114,10 @@ impl Cached for u16 {
     unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[u16], out: *mut f32, ld: usize) {
         // SAFETY: as for f32 (bf16 queries only where `isa` multiplies bf16 pairs).
         unsafe {
-            match q.bf16.is_empty() {
-                true => simd::rows_bf16_strided(isa, q.f32, d, k, out, ld),
-                false => simd::rows_bf16_pairs_strided(isa, q.bf16, d, k, out, ld),
+            match q {
+                Query::Paired(q) => simd::rows_bf16_strided(isa, q, d, k, out, ld),
+                Query::Bf16(q) => simd::rows_bf16_pairs_strided(isa, q, d, k, out, ld),
+                Query::F32(_) => unreachable!("a bf16 cache's query is made by `Queries`"),
             }
         }
     }
@@ -128,8 +133,8 @@ impl Cached for u16 {
 }
 
 /// Attention over some positions of one (batch, K/V head): `q` holds the group's query heads
-/// (hg × dk), `k` and `v` that head's cached rows from pool
-/// position 0 (v's `vs` apart), `runs` the positions as (first pool row, rows) in order.
+/// (hg × dk), `k` and `v` that head's cached rows from pool position 0 (v's `vs` apart),
+/// `runs` the positions as (first pool row, rows) in order.
 fn block<T: Cached>(
     isa: Isa,
     scale: f32,
@@ -184,9 +189,9 @@ fn block<T: Cached>(
     Partial { max, sum, acc }
 }
 
-/// One (sequence, K/V head) of a step: its group's query heads (hg × dk), that head's cached keys and values from the row its positions count from
-/// (value rows `vs` apart), and where its `len` positions are: through `pages`, or the first
-/// `len` rows.
+/// One (sequence, K/V head) of a step: its group's query heads (hg × dk), that head's
+/// cached keys and values from the row its positions count from (value rows `vs` apart),
+/// and where its `len` positions are: through `pages`, or the first `len` rows.
 struct Head<'a, T> {
     q: Query<'a>,
     k: &'a [T],
@@ -245,7 +250,8 @@ fn attend<T: Cached>(scale: f32, heads: &[Head<'_, T>], (dk, dv): (usize, usize)
     out
 }
 
-/// [`attend`] over the op's (batch, K/V head)s: q (B, H, 1, Dk), k and v (B, G, S, ..) as laid out, every one at the op's positions.
+/// [`attend`] over the op's (batch, K/V head)s: q (B, H, 1, Dk), k and v (B, G, S, ..) as
+/// laid out, every one at the op's positions.
 fn attend_op<T: Cached>(
     op: &DecodeAttention,
     q: Query,
@@ -329,7 +335,7 @@ impl CustomOp3 for DecodeAttention<'_> {
         let shape = Shape::from((b, h, 1, dv));
         Ok(match (qs, ks, vs) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let out = attend_op(self, Query::f32(&q[q0..q1]), (k, kl), (v, vl), (b, h, dk))?;
+                let out = attend_op(self, Query::F32(&q[q0..q1]), (k, kl), (v, vl), (b, h, dk))?;
                 (CpuStorage::F32(out), shape)
             }
             // f32 activations over a bf16 cache (`crate::model::activation_dtype`).

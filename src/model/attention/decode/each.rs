@@ -52,7 +52,7 @@ pub fn attend_each(scale: f32, q: &[f32], h: usize, helds: &[&Held]) -> Result<V
         let caches = pairs
             .map(|(k, kl, v, vl)| Ok(((f32s(k)?, kl), (f32s(v)?, vl))))
             .collect::<Result<Vec<_>>>()?;
-        return run(scale, Query::f32(q), (h, dk), &caches, &pages);
+        return run(scale, Query::F32(q), (h, dk), &caches, &pages);
     }
     let caches = pairs
         .map(|(k, kl, v, vl)| Ok(((bf16s(k)?, kl), (bf16s(v)?, vl))))

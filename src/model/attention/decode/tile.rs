@@ -100,7 +100,8 @@ fn tile<T: Cached, const MR: usize, const CH: usize, const FMA: bool>(
     let mut c = 0;
     while c + CH <= dv {
         // From acc, not 0: a block read in several runs (a paged cache) adds its rows in the
-        // order of one run.
+        // order of one run. (These two closures only copy and widen; it is a `mul_add` in a
+        // closure that loses the target features, see `tiles`.)
         let mut sums: [[f32; CH]; MR] =
             std::array::from_fn(|r| acc[r * dv + c..][..CH].try_into().expect("CH values"));
         for j in 0..l {
@@ -210,9 +211,9 @@ fn softmax_plain(row: &mut [f32], scale: f32) -> (f32, f32) {
 }
 
 /// e^x for x ≤ 0 (a softmax's shifted scores), within a few ulp of libm's over [−87, 0];
-/// below −87 (where e^x is subnormal or 0) it gives e^−87 ≈ 1.6e−38. Cody-Waite: x = n·ln2 + r, |r| ≤ ln2/2, e^r by its
-/// degree-6 Taylor polynomial, 2^n put into the exponent bits. Branch-free so that a loop of
-/// it vectorizes.
+/// below −87 (where e^x is subnormal or 0) it gives e^−87 ≈ 1.6e−38. Cody-Waite:
+/// x = n·ln2 + r, |r| ≤ ln2/2, e^r by its degree-6 Taylor polynomial, 2^n put into the
+/// exponent bits. Branch-free so that a loop of it vectorizes.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
