@@ -25,9 +25,8 @@
 mod common;
 
 use candle_core::Device;
-use common::{checkpoint_file, full_logits};
+use common::{checkpoint_file, full_logits, step_logits, token_nll};
 use tiny_decoder::loader::{self, DTypeArg, Loaded};
-use tiny_decoder::KvCache;
 
 const TYPES: [&str; 9] = [
     "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q5_0", "Q5_1", "Q4_1", "Q8_0",
@@ -36,13 +35,6 @@ const TYPES: [&str; 9] = [
 fn load(path: &std::path::Path, dtype: DTypeArg) -> Loaded {
     let source = loader::open(path.to_str().unwrap()).unwrap();
     source.load(dtype, &Device::Cpu).unwrap()
-}
-
-/// `-log p(target)` under `logits`, in f64.
-fn nll(logits: &[f32], target: u32) -> f64 {
-    let top = logits.iter().fold(f32::MIN, |a, &v| a.max(v)) as f64;
-    let sum: f64 = logits.iter().map(|&v| (v as f64 - top).exp()).sum();
-    top + sum.ln() - logits[target as usize] as f64
 }
 
 /// The arg max and how far it leads the runner-up.
@@ -76,19 +68,10 @@ fn same_choices(t: &str, blocks: &[Vec<f32>], dense: &[Vec<f32>], margin: f32) -
     checked
 }
 
-/// Logits of each position, fed one token at a time through the cache.
-fn stepped(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
-    let model = &loaded.model;
-    let mut cache = KvCache::new(model.config(), ids.len(), model.dtype(), model.device()).unwrap();
-    ids.iter()
-        .map(|&id| model.next_logits(&[id], &mut cache).unwrap())
-        .collect()
-}
-
 /// exp of the mean NLL of `ids[1..]` under logits (T, V) predicting each next id.
 fn perplexity(logits: &[Vec<f32>], ids: &[u32]) -> f64 {
     let total: f64 = (0..ids.len() - 1)
-        .map(|t| nll(&logits[t], ids[t + 1]))
+        .map(|t| token_nll(&logits[t], ids[t + 1]))
         .sum();
     (total / (ids.len() - 1) as f64).exp()
 }
@@ -117,7 +100,7 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         );
         let prompt_checked = same_choices(t, &l_blocks, &l_dense, 1.0);
         let ids = &ids[..64];
-        let (s_blocks, s_dense) = (stepped(&blocks, ids), stepped(&dense, ids));
+        let (s_blocks, s_dense) = (step_logits(&blocks, ids), step_logits(&dense, ids));
         let (q_blocks, q_dense) = (perplexity(&s_blocks, ids), perplexity(&s_dense, ids));
         assert!(
             (q_blocks / q_dense - 1.0).abs() <= 0.06,

@@ -83,6 +83,22 @@ pub fn full_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
         .unwrap()
 }
 
+/// Logits (T, V) of `ids` fed one at a time through a cache.
+pub fn step_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
+    let model = &loaded.model;
+    let mut cache = KvCache::new(model.config(), ids.len(), model.dtype(), model.device()).unwrap();
+    ids.iter()
+        .map(|&id| model.next_logits(&[id], &mut cache).unwrap())
+        .collect()
+}
+
+/// `-log p(target)` under `logits`, in f64.
+pub fn token_nll(logits: &[f32], target: u32) -> f64 {
+    let top = logits.iter().fold(f32::MIN, |a, &v| a.max(v)) as f64;
+    let sum: f64 = logits.iter().map(|&v| (v as f64 - top).exp()).sum();
+    top + sum.ln() - logits[target as usize] as f64
+}
+
 /// Greedy continuation through the cache, ignoring EOS.
 pub fn greedy(loaded: &Loaded, prompt: &[u32], n: usize) -> Vec<u32> {
     let model = &loaded.model;
