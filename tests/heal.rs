@@ -44,12 +44,13 @@ fn nll(loaded: &Loaded, text: &str) -> f64 {
 
 /// The calibration text is the default technical prose; the NLL is on a TinyStories
 /// passage. stories260K's MQA conversion costs it +1.7 nats there, lowrank:16 (a quarter of
-/// full rank) +1.4; 30 steps per layer recover a good part of both.
+/// full rank) +1.4, MLA with a latent of 16 and one RoPE head of 8 (DeepSeek's layout) +1.6;
+/// 30 steps per layer recover a good part of each.
 #[test]
 fn healing_lowers_the_nll_of_lossy_conversions_on_held_out_text() {
     let Some(dir) = stories260k() else { return };
     let text = heldout();
-    for spec in ["mqa", "lowrank:16"] {
+    for spec in ["mqa", "lowrank:16", "mla:16,rope=8"] {
         let (plain, plain_report) = convert(&dir, spec, None);
         assert!(plain_report.heal.is_none());
         let (healed, report) = convert(&dir, spec, layer_wise(30));
@@ -164,6 +165,59 @@ fn convert_writes_the_healed_model() {
     assert!(again["heal_e2e_tokens"].as_u64().unwrap() > 0);
 }
 
+/// MLA heals too, and `convert` writes what `eval --heal` ran: in DeepSeek's layout (one
+/// RoPE head), the healed output projection and latent among its tensors.
+#[test]
+fn convert_writes_a_healed_mla_model() {
+    let Some(dir) = stories260k() else { return };
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("heal/stories260K-mla16");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let o = out.to_str().unwrap();
+    let prose = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/passage.txt");
+    let args = [
+        "-m",
+        &dir,
+        "--attention",
+        "mla:16,rope=8",
+        "--calibration",
+        prose.to_str().unwrap(),
+        "--heal",
+        "--heal-steps",
+        "5",
+        "--heal-e2e-steps",
+        "4",
+    ];
+    let written = run_json(&[&["convert", "--out", o][..], &args[..]].concat());
+    assert!(
+        written["heal_error_after"].as_f64().unwrap()
+            < written["heal_error_before"].as_f64().unwrap()
+    );
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
+    let f = file.to_str().unwrap();
+    let live = run_json(&[&["eval", "--file", f][..], &args[..]].concat());
+    let back = run_json(&["eval", "--file", f, "-m", o]);
+    let (a, b) = (
+        live["mean_nll"].as_f64().unwrap(),
+        back["mean_nll"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() < 1e-4, "eval --heal {a}, written {b}");
+    let plain = run_json(&[
+        "eval",
+        "--file",
+        f,
+        "-m",
+        &dir,
+        "--attention",
+        "mla:16,rope=8",
+    ]);
+    let p = plain["mean_nll"].as_f64().unwrap();
+    eprintln!("mla:16,rope=8: NLL {p:.4} unhealed, {a:.4} healed (5 + 4 steps)");
+    assert!(a < p, "healing moved NLL {p} -> {a}");
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(config.contains("DeepseekV3ForCausalLM"), "{config}");
+}
+
 #[test]
 fn what_healing_cannot_do_is_a_one_line_error() {
     let Some(dir) = stories260k() else { return };
@@ -177,10 +231,12 @@ fn what_healing_cannot_do_is_a_one_line_error() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         fails(&args, env, expect)
     };
-    fails(
-        eval(&["--attention", "mla:16,rope=8", "--heal"]),
+    let qk_norm = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-qknorm");
+    let q = ["eval", "--file", f, "-m", qk_norm.to_str().unwrap()];
+    common::fails(
+        &[&q[..], &["--attention", "mqa", "--heal"]].concat(),
         &[],
-        "--heal: heals gqa:G, mqa and lowrank:R",
+        "--heal: heals conversions of models without q/k norms",
     );
     // clap's own usage error (several lines), exit 2.
     let out = std::process::Command::new(common::BIN)

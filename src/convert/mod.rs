@@ -257,16 +257,11 @@ fn heads(cfg: &ModelConfig, plan: &Plan, heal: bool) -> Result<Heads> {
             plan.spec, cfg.rope.dim
         )));
     }
-    if lossy && heal && (qk_norm || plan.latent.is_some_and(|l| l.rope.is_some())) {
+    if lossy && heal && qk_norm {
         return Err(Error::Invalid(format!(
-            "--heal: heals gqa:G, mqa and lowrank:R conversions of models without q/k norms, \
-             not --attention {}{}",
-            plan.spec,
-            if qk_norm {
-                " of a model with q/k norms"
-            } else {
-                ""
-            }
+            "--heal: heals conversions of models without q/k norms, not --attention {} of \
+             a model with q/k norms (their fit would need the norms in every form)",
+            plan.spec
         )));
     }
     Ok(Heads {

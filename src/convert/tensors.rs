@@ -62,10 +62,12 @@ pub fn fit(
                 ..l
             });
             let out = mla::convert(&Plan { latent, ..*plan }, heads, &w, moment)?;
-            for (name, t) in mla_tensors(&out, l.layout, cfg, backend, layer)? {
-                replaced.insert(format!("model.layers.{layer}.self_attn.{name}"), t);
+            Form::Mla {
+                q: out.q,
+                kv_a: out.kv_a,
+                kv_b: out.kv_b,
+                o: w.o.clone(),
             }
-            continue;
         } else if plan.latent.is_some() {
             let out = lowrank::convert(plan, heads, &w, moment)?;
             Form::LowRank {
@@ -97,7 +99,7 @@ pub fn fit(
         forms = h.end_to_end(forms, |done, n| progress(Stage::Distilling, done, n))?;
     }
     for (layer, form) in forms.iter().enumerate() {
-        put(&mut replaced, cfg, layer, form)?;
+        put(&mut replaced, plan, cfg, backend, layer, form)?;
     }
     Ok(replaced)
 }
@@ -141,10 +143,12 @@ fn mla_tensors(
 }
 
 /// `form`'s tensors under their checkpoint names: an augmented (rows, C + 1) projection as
-/// its weight and, where the model has them, its bias.
+/// its weight and, where the model has them, its bias; MLA in `plan`'s layout.
 fn put(
     replaced: &mut HashMap<String, Tensor>,
+    plan: &Plan,
     cfg: &ModelConfig,
+    backend: &dyn SimpleBackend,
     layer: usize,
     form: &Form,
 ) -> Result<()> {
@@ -178,6 +182,18 @@ fn put(
             augmented("q_proj", q)?;
             augmented("kv_down", down)?;
             vec![("k_up", k_up), ("v_up", v_up), ("o_proj", o)]
+        }
+        Form::Mla { q, kv_a, kv_b, o } => {
+            let out = mla::Mla {
+                q: q.clone(),
+                kv_a: kv_a.clone(),
+                kv_b: kv_b.clone(),
+            };
+            let layout = plan.latent.map_or(MlaLayout::Ours, |l| l.layout);
+            for (p, t) in mla_tensors(&out, layout, cfg, backend, layer)? {
+                replaced.insert(format!("model.layers.{layer}.self_attn.{p}"), t);
+            }
+            vec![("o_proj", o)]
         }
     };
     for (p, t) in plain {

@@ -118,7 +118,7 @@ pub fn write(
 /// low-rank conversion replaces each layer's `k_proj` and `v_proj` by `kv_down` (with the
 /// keys' bias, if any), `k_up` and `v_up`, and MLA every projection but `o_proj` by the
 /// conversion's tensors (written where `q_proj.weight` was), in the dtype of the
-/// projections they replace.
+/// projections they replace; `o_proj.weight` stays where it was (healing may change it).
 fn written_as(conversion: &Conversion, name: &str) -> Vec<String> {
     let Some(latent) = conversion.plan().latent else {
         return vec![name.to_string()];
@@ -129,7 +129,10 @@ fn written_as(conversion: &Conversion, name: &str) -> Vec<String> {
     let new = |p: &str| format!("{layer}.self_attn.{p}");
     if latent.rope.is_some() {
         return match tail {
-            "q_proj.weight" => conversion.replaced_names(&new("")),
+            // `o_proj.weight` (healed, or as it was) is written in its own place.
+            "q_proj.weight" => (conversion.replaced_names(&new("")).into_iter())
+                .filter(|n| *n != new("o_proj.weight"))
+                .collect(),
             t if t.starts_with("o_proj.") => vec![name.to_string()],
             _ => vec![],
         };

@@ -66,6 +66,9 @@ pub struct Geometry {
     pub head_dim: usize,
     /// RoPE at positions 0..[`WINDOW`], f32.
     pub rotation: Rotation,
+    /// Whether the model's q/k/v projections have biases: without, the projections' bias
+    /// columns stay zero (they would not be written).
+    pub bias: bool,
     /// Where the fits run: the calibration windows', the rotation's and the frozen
     /// tensors' device; the forms come there in f32 and go back to the CPU in f64.
     pub device: Device,
@@ -112,7 +115,10 @@ impl<'a> Healer<'a> {
         whole: Option<EndToEnd<'a>>,
         device: &Device,
     ) -> Result<Self> {
-        let AttentionConfig::Gqa { head_dim, .. } = cfg.attention else {
+        let AttentionConfig::Gqa {
+            head_dim, qkv_bias, ..
+        } = cfg.attention
+        else {
             return Err(Error::Invalid("--heal: not a GQA-family model".into()));
         };
         let positions: Vec<u32> = (0..WINDOW as u32).collect();
@@ -120,6 +126,7 @@ impl<'a> Healer<'a> {
             num_heads: cfg.num_attention_heads,
             head_dim,
             rotation: Rope::new(&cfg.rope, DType::F32, device)?.at_positions(&positions)?,
+            bias: qkv_bias,
             device: device.clone(),
         };
         Ok(Self {
