@@ -44,7 +44,8 @@ MODELS = {
         "long": (6000, 32),
         "specs": ["original", "mha", "mqa,method=mean", "mqa", "lowrank:384", "lowrank:256",
                   "lowrank:128", "lowrank:128,method=svd", "lowrank:64", "mla:64,rope=64",
-                  "mla:192,rope=64", "mla:192,rope=192", "mqa+heal", "lowrank:128+heal"],
+                  "mla:192,rope=64", "mla:192,rope=192", "mqa+heal", "lowrank:128+heal",
+                  "mla:64,rope=64+heal"],
     },
     "stories260k": {
         "dir": "../shared/checkpoints/stories260K",
@@ -53,7 +54,7 @@ MODELS = {
         "long": None,
         "specs": ["original", "mha", "gqa:2,method=mean", "gqa:2", "mqa,method=mean", "mqa",
                   "lowrank:64", "lowrank:32", "lowrank:16", "lowrank:16,method=svd",
-                  "mla:16,rope=8", "gqa:2+heal", "mqa+heal", "lowrank:16+heal"],
+                  "mla:16,rope=8", "gqa:2+heal", "mqa+heal", "lowrank:16+heal", "mla:16,rope=8+heal"],
     },
 }
 

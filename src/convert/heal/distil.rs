@@ -13,6 +13,7 @@
 //! it saw is what is kept (the layer-wise result when nothing beats it).
 
 use super::attend::{mask, output, Form};
+use super::product::frozen_product;
 use super::targets::Targets;
 use super::{Geometry, WINDOW};
 use crate::config::{AttentionConfig, MlpConfig, ModelConfig};
@@ -122,7 +123,7 @@ impl Frozen {
             .reshape((b, t, c))?;
         let ones = Tensor::ones((b, t, 1), DType::F32, x.device())?;
         let linear = |x: &Tensor, (w, bias): &(Tensor, Option<Tensor>)| -> Result<Tensor> {
-            let y = x.broadcast_matmul(&w.t()?)?;
+            let y = frozen_product(x, w)?;
             Ok(match bias {
                 Some(bias) => y.broadcast_add(bias)?,
                 None => y,
@@ -141,7 +142,7 @@ impl Frozen {
             x = (&x + linear(&(g * linear(&h, up)?)?, down)?)?;
         }
         let h = self.rms(&x, &self.norm)?.reshape((b * t, c))?;
-        Ok(h.matmul(&self.head.t()?)?)
+        Ok(frozen_product(&h, &self.head)?)
     }
 
     /// The mean over positions of the cross-entropy of the original's top tokens

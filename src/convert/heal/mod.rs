@@ -12,11 +12,12 @@
 //!
 //! The fit needs gradients, which candle's fused kernels (RoPE, softmax, the decode op) do
 //! not give, so attention is written once more, for fitting only, in `attend`.
-//! MLA conversions are not healed (their split query and absorbed layout would need a form
-//! of their own).
+//! MLA is fitted in its expanded form (per-head keys and values up-projected from the
+//! latent), which the engine's absorbed decode is tested equal to.
 
 mod attend;
 pub mod distil;
+mod product;
 pub mod targets;
 
 pub use attend::Form;
