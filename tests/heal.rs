@@ -218,6 +218,22 @@ fn convert_writes_a_healed_mla_model() {
     assert!(config.contains("DeepseekV3ForCausalLM"), "{config}");
 }
 
+/// Healing has no q/k norms in its forms: a Qwen3-style model is refused, in one line.
+#[test]
+fn healing_a_model_with_q_k_norms_is_refused() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let (model, file) = (
+        root.join("tests/fixtures/qwen3-qknorm"),
+        root.join("tests/data/stories-heldout.txt"),
+    );
+    let (m, f) = (model.to_str().unwrap(), file.to_str().unwrap());
+    fails(
+        &["eval", "--file", f, "-m", m, "--attention", "mqa", "--heal"],
+        &[],
+        "--heal: heals conversions of models without q/k norms",
+    );
+}
+
 #[test]
 fn what_healing_cannot_do_is_a_one_line_error() {
     let Some(dir) = stories260k() else { return };
@@ -231,13 +247,6 @@ fn what_healing_cannot_do_is_a_one_line_error() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         fails(&args, env, expect)
     };
-    let qk_norm = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-qknorm");
-    let q = ["eval", "--file", f, "-m", qk_norm.to_str().unwrap()];
-    common::fails(
-        &[&q[..], &["--attention", "mqa", "--heal"]].concat(),
-        &[],
-        "--heal: heals conversions of models without q/k norms",
-    );
     // clap's own usage error (several lines), exit 2.
     let out = std::process::Command::new(common::BIN)
         .args(eval(&["--attention", "mqa", "--heal-steps", "3"]))

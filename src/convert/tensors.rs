@@ -189,8 +189,10 @@ fn put(
                 kv_a: kv_a.clone(),
                 kv_b: kv_b.clone(),
             };
-            let layout = plan.latent.map_or(MlaLayout::Ours, |l| l.layout);
-            for (p, t) in mla_tensors(&out, layout, cfg, backend, layer)? {
+            let Some(latent) = plan.latent else {
+                return Err(Error::Invalid("an MLA form without an MLA plan".into()));
+            };
+            for (p, t) in mla_tensors(&out, latent.layout, cfg, backend, layer)? {
                 replaced.insert(format!("model.layers.{layer}.self_attn.{p}"), t);
             }
             vec![("o_proj", o)]

@@ -27,10 +27,12 @@ pub enum Form {
         v_up: Tensor,
         o: Tensor,
     },
-    /// MLA as [`crate::convert::mla::Mla`] leaves it, our layout: `q` (H·(D + W), C + 1),
-    /// each head's rows its D "nope" rows then W RoPE rows; `kv_a` (R + W, C + 1), the
-    /// latent's rows then the RoPE key's (W / D heads of D, shared by every query head);
-    /// `kv_b` (H·2D, R), each head's key rows then its value rows.
+    /// MLA as [`crate::convert::mla::Mla`] leaves it, before DeepSeek's layout (if asked)
+    /// adds its anchor channel and latent norm (`convert::deepseek`, a fixed scale there):
+    /// `q` (H·(D + W), C + 1), each head's rows its D "nope" rows then W RoPE rows; `kv_a`
+    /// (R + W, C + 1), the latent's rows then the RoPE key's (W / D heads of D, shared by
+    /// every query head); `kv_b` (H·2D, R), each head's key rows then its value rows (R one
+    /// less than asked in DeepSeek's layout).
     Mla {
         q: Tensor,
         kv_a: Tensor,
@@ -136,9 +138,13 @@ pub fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Ten
     let (b, t, c1) = x.dims3()?;
     let (h, d) = (geo.num_heads, geo.head_dim);
     let flat = x.reshape((b * t, c1))?;
+    let flat = match geo.bias {
+        true => flat,
+        false => flat.narrow(1, 0, c1 - 1)?.contiguous()?,
+    };
     // (rows, C + 1) -> (B, n, T, rows / n)
     let heads = |w: &Tensor, n: usize| -> Result<Tensor> {
-        let y = project(&flat, w, geo.bias)?.reshape((b, t, n, ()))?;
+        let y = project(&flat, w)?.reshape((b, t, n, ()))?;
         Ok(y.transpose(1, 2)?.contiguous()?)
     };
     let rope = |x: &Tensor| geo.rotation.apply_differentiable(x);
@@ -184,7 +190,8 @@ pub fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Ten
             );
             let latent = heads(kv_a, 1)?; // (B, 1, T, R + W)
             let k_pe = rope_heads(&latent.narrow(3, r, w)?.contiguous()?)?;
-            let up = latent.narrow(3, 0, r)?.broadcast_matmul(&kv_b.t()?)?; // (B, 1, T, H·2D)
+            let c_kv = latent.narrow(3, 0, r)?.contiguous()?;
+            let up = c_kv.broadcast_matmul(&kv_b.t()?)?; // (B, 1, T, H·2D)
             let up = up.reshape((b, t, h, 2 * d))?.transpose(1, 2)?;
             let k = Tensor::cat(
                 &[&up.narrow(3, 0, d)?, &k_pe.broadcast_as((b, h, t, w))?],
@@ -212,15 +219,16 @@ pub fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Ten
     Ok(y.reshape((b, t, h * d))?)
 }
 
-/// x (N, C + 1) through an augmented projection w (rows, C + 1), its bias column read only
-/// when the model has biases: a checkpoint without them is written without, so the
-/// training must not lean on them.
-fn project(x: &Tensor, w: &Tensor, bias: bool) -> Result<Tensor> {
-    if bias {
-        return Ok(x.matmul(&w.t()?)?);
-    }
-    let c = w.dim(1)? - 1;
-    Ok(x.narrow(1, 0, c)?.matmul(&w.narrow(1, 0, c)?.t()?)?)
+/// x (N, C + 1), or (N, C) without biases ([`attend`]), through an augmented projection w
+/// (rows, C + 1): without biases its weight columns alone, so the bias column, which a
+/// checkpoint without biases does not get, cannot train. (Contiguous operands: candle's
+/// CUDA matmul takes no row stride wider than the row.)
+fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let w = match x.dim(1)? == w.dim(1)? {
+        true => w.clone(),
+        false => w.narrow(1, 0, x.dim(1)?)?.contiguous()?,
+    };
+    Ok(x.matmul(&w.t()?)?)
 }
 
 #[cfg(test)]
@@ -232,9 +240,11 @@ mod tests {
     use crate::model::rope::Rope;
     use std::path::Path;
 
-    /// At full rank with a RoPE head per K/V head, MLA is exact: its form here gives the
-    /// original layer's outputs (what the engine's MLA is tested to give too), so healing
-    /// trains what the engine runs.
+    /// With a RoPE head per K/V head (W = G·D) nothing is left of the keys for the latent,
+    /// and a latent of the values' full rank (G·D) makes MLA exact: its form here gives the
+    /// original layer's outputs (as the engine's MLA is tested to), so healing trains what
+    /// the engine runs. Two query heads share each RoPE head: a wrong grouping, order of
+    /// parts or scale fails it.
     #[test]
     fn an_exact_mla_conversion_attends_as_the_original() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -28,7 +28,8 @@ impl CustomOp1 for Frozen {
         let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
             return Err(Error::Msg("frozen product: x not contiguous f32".into()));
         };
-        // A tensor of its own (a copy of x, small beside the product) for candle's matmul.
+        // A tensor of its own for candle's matmul, and its product copied out: two copies,
+        // of x and of the result, each small beside the product's K multiply-adds a value.
         let x = Tensor::from_slice(&v[a..b], l.shape(), &Device::Cpu)?;
         let y = x.broadcast_matmul(&self.0.t()?)?;
         let (ys, yl) = y.storage_and_layout();
