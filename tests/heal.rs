@@ -108,15 +108,38 @@ fn exact_conversions_are_not_healed() {
     assert!(report.heal.is_none());
 }
 
+/// `convert --out target/tmp/heal/NAME ARGS` and `eval ARGS` on the held-out TinyStories
+/// passage: the written checkpoint must score what the live conversion scores (1e-4).
+/// Returns convert's report, the live eval's, and the output directory.
+fn written_as_run(name: &str, args: &[&str]) -> (serde_json::Value, serde_json::Value, PathBuf) {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("heal")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    let o = out.to_str().unwrap();
+    let written = run_json(&[&["convert", "--out", o][..], args].concat());
+    assert!(
+        written["heal_error_after"].as_f64().unwrap()
+            < written["heal_error_before"].as_f64().unwrap()
+    );
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
+    let f = file.to_str().unwrap();
+    let live = run_json(&[&["eval", "--file", f][..], args].concat());
+    let back = run_json(&["eval", "--file", f, "-m", o]);
+    let (a, b) = (
+        live["mean_nll"].as_f64().unwrap(),
+        back["mean_nll"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() < 1e-4, "eval --heal {a}, written {b}");
+    (written, live, out)
+}
+
 /// `convert --heal` writes the healed tensors (q_proj and o_proj too): the written
 /// checkpoint scores what `eval --attention --heal` scores.
 #[test]
 fn convert_writes_the_healed_model() {
     let Some(dir) = stories260k() else { return };
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("heal/stories260K-lowrank16");
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-    let o = out.to_str().unwrap();
     let args = [
         "-m",
         &dir,
@@ -130,23 +153,12 @@ fn convert_writes_the_healed_model() {
         "--heal-tokens",
         "2048",
     ];
-    let written = run_json(&[&["convert", "--out", o][..], &args[..]].concat());
+    let (written, live, out) = written_as_run("stories260K-lowrank16", &args);
     assert_eq!(written["heal_steps"], 5);
     assert_eq!(written["heal_e2e_steps"], 4);
-    assert!(
-        written["heal_error_after"].as_f64().unwrap()
-            < written["heal_error_before"].as_f64().unwrap()
-    );
+    assert!(live["heal_secs"].as_f64().unwrap() > 0.0);
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();
-    let live = run_json(&[&["eval", "--file", f][..], &args[..]].concat());
-    let back = run_json(&["eval", "--file", f, "-m", o]);
-    let (a, b) = (
-        live["mean_nll"].as_f64().unwrap(),
-        back["mean_nll"].as_f64().unwrap(),
-    );
-    assert!((a - b).abs() < 1e-4, "eval --heal {a}, written {b}");
-    assert!(live["heal_secs"].as_f64().unwrap() > 0.0);
     // The text the original wrote is kept beside the model, and heals again as given text.
     assert!(written["files"]
         .as_array()
@@ -170,10 +182,6 @@ fn convert_writes_the_healed_model() {
 #[test]
 fn convert_writes_a_healed_mla_model() {
     let Some(dir) = stories260k() else { return };
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("heal/stories260K-mla16");
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-    let o = out.to_str().unwrap();
     let prose = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/passage.txt");
     let args = [
         "-m",
@@ -188,20 +196,10 @@ fn convert_writes_a_healed_mla_model() {
         "--heal-e2e-steps",
         "4",
     ];
-    let written = run_json(&[&["convert", "--out", o][..], &args[..]].concat());
-    assert!(
-        written["heal_error_after"].as_f64().unwrap()
-            < written["heal_error_before"].as_f64().unwrap()
-    );
+    let (_, live, out) = written_as_run("stories260K-mla16", &args);
+    let a = live["mean_nll"].as_f64().unwrap();
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();
-    let live = run_json(&[&["eval", "--file", f][..], &args[..]].concat());
-    let back = run_json(&["eval", "--file", f, "-m", o]);
-    let (a, b) = (
-        live["mean_nll"].as_f64().unwrap(),
-        back["mean_nll"].as_f64().unwrap(),
-    );
-    assert!((a - b).abs() < 1e-4, "eval --heal {a}, written {b}");
     let plain = run_json(&[
         "eval",
         "--file",
