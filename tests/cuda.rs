@@ -10,9 +10,12 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use common::*;
+use tiny_decoder::kv_cache::KvPool;
 use tiny_decoder::loader::{self, DTypeArg, Loaded};
 use tiny_decoder::model::attention::sdpa;
 use tiny_decoder::model::linear::Linear;
+use tiny_decoder::model::Feed;
+use tiny_decoder::KvCache;
 
 fn cuda() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -179,4 +182,43 @@ fn decode_attention_agrees_on_cpu_and_cuda() {
     let on_gpu = sdpa(&to(&q), &to(&k), &to(&v), scale, None).unwrap();
     let err = relative_error(&on_gpu, &cpu);
     assert!(err < 1e-4, "CUDA decode attention off by {err}");
+}
+
+/// Sequences of unequal lengths in one pool (the server's, and the text `--heal` has the
+/// original write), their blocks interleaved, decoding one token each per step on CUDA,
+/// where their attention runs together (`attention::spans`, gathered from the pool): every
+/// sequence's logits at every step equal its own run alone on the CPU.
+#[test]
+fn pooled_decode_steps_on_cuda_agree_with_each_sequence_alone_on_cpu() {
+    let Some(gpu) = cuda() else { return };
+    for name in ["llama-mha-tied", "mistral-gqa-headdim", "qwen2-bias"] {
+        let on_gpu = load(name, DType::F32.into(), &gpu);
+        let cpu = load(name, DType::F32.into(), &Device::Cpu);
+        let (model, cfg) = (&on_gpu.model, on_gpu.model.config());
+        let per_token = cfg.kv_bytes_per_token(4);
+        let pool = KvPool::new(cfg, 3 * 96 * per_token, DType::F32, &gpu).unwrap();
+        let mut pooled: Vec<KvCache> = (0..3).map(|_| pool.sequence(96)).collect();
+        let own = |_| KvCache::new(cfg, 96, DType::F32, &Device::Cpu).unwrap();
+        let mut alone: Vec<KvCache> = (0..3).map(own).collect();
+        let vocab = cfg.vocab_size;
+        let token = |s: usize, i: usize| ((s * 7919 + i * 104_729 + 17) % vocab) as u32;
+        // Prompts of 5, 37 and 20 tokens, then 50 steps of one token each.
+        for (s, n) in [5, 37, 20].into_iter().enumerate() {
+            let p: Vec<u32> = (0..n).map(|i| token(s, i)).collect();
+            on_gpu.model.next_logits(&p, &mut pooled[s]).unwrap();
+            cpu.model.next_logits(&p, &mut alone[s]).unwrap();
+        }
+        for step in 0..50 {
+            let ids: Vec<[u32; 1]> = (0..3).map(|s| [token(s, 100 + step)]).collect();
+            let mut feeds: Vec<Feed> = (pooled.iter_mut().zip(&ids))
+                .map(|(cache, ids)| Feed { ids, cache })
+                .collect();
+            let batched = model.next_logits_batch(&mut feeds).unwrap();
+            for (s, cache) in alone.iter_mut().enumerate() {
+                let want = cpu.model.next_logits(&ids[s], cache).unwrap();
+                let diff = max_abs_diff(&batched[s], &want);
+                assert!(diff < 1e-3, "{name}: sequence {s} at step {step}: {diff}");
+            }
+        }
+    }
 }

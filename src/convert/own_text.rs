@@ -6,6 +6,7 @@
 use crate::chat::{ChatTemplate, Message};
 use crate::error::{Error, Result};
 use crate::generate::{self, Options, Sequence};
+use crate::kv_cache::{KvCache, KvPool, BLOCK};
 use crate::loader::Loaded;
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -101,10 +102,19 @@ pub fn write(
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut caches = prompts
-            .iter()
-            .map(|p| generate::cache_for(model, p.len(), NEW_TOKENS))
-            .collect::<Result<Vec<_>>>()?;
+        // One pool for the batch, as the server's: off the CPU its single new tokens then
+        // attend together (`attention::spans`), not a sequence at a time.
+        let cfg = model.config();
+        let capacity = |p: &Vec<u32>| (p.len() + NEW_TOKENS).min(cfg.max_position_embeddings);
+        let blocks: usize = prompts.iter().map(|p| capacity(p).div_ceil(BLOCK)).sum();
+        let per_token = cfg.kv_bytes_per_token(model.dtype().size_in_bytes());
+        let pool = KvPool::new(
+            cfg,
+            blocks * BLOCK * per_token,
+            model.dtype(),
+            model.device(),
+        )?;
+        let mut caches: Vec<KvCache> = prompts.iter().map(|p| pool.sequence(capacity(p))).collect();
         let mut samplers = (next..next + BATCH)
             .map(|i| {
                 Sampler::new(&SamplingParams {

@@ -110,6 +110,13 @@ pub struct Held<'a> {
 }
 
 impl Held<'_> {
+    /// Whether `self` and `other` hold their positions in the same pool tensors, read
+    /// through their tables, keys and values each whole rows (not a latent's columns).
+    pub fn pooled_with(&self, other: &Held) -> bool {
+        let paged = |h: &Held| h.pages.is_some() && h.rank.is_none();
+        paged(self) && paged(other) && self.k.id() == other.k.id() && self.v.id() == other.v.id()
+    }
+
     /// `k` and `v` of positions `0..len` (gathered when paged).
     pub fn gathered(&self) -> Result<(Tensor, Tensor)> {
         let Some(pages) = self.pages else {
@@ -183,7 +190,9 @@ impl<'a> LayerView<'a> {
             pages: Some(self.pages),
             rank,
         };
-        if self.pages.table().is_some() {
+        // Off the CPU the pool's tensors stay, one run or not: a batched step gathers its
+        // sequences' positions from them together (`attention::spans`).
+        if self.pages.table().is_some() || !k.device().is_cpu() {
             return Ok(held);
         }
         // One run: views of exactly the positions, as a flat cache would give.

@@ -4,9 +4,10 @@
 //! X-EcoMLA recover a conversion's loss), everything else frozen. Errors that add up
 //! through the layers, which the layer-wise fit never sees, are what this aims at.
 //!
-//! The original's distribution is kept as its most probable next tokens per position,
-//! renormalised ([`Targets`]): the loss is their cross-entropy against the
-//! converted model's log-probabilities (the KL divergence up to a constant). The converted
+//! The original's distribution is kept as its most probable next tokens per position and
+//! the rest of the vocabulary as one outcome ([`Targets`]): the loss is its cross-entropy
+//! against the converted model's distribution grouped the same way (the KL divergence up
+//! to a constant). The converted
 //! model runs once more in candle's differentiable basic ops ([`Frozen::logits`]), the
 //! attention through [`super::attend`]. The last [`HELD_OUT`]th of the windows is held
 //! out: it is scored before training and every [`CHECK_EVERY`] steps, and the best state
@@ -30,6 +31,8 @@ const HELD_OUT: usize = 8;
 const HELD_OUT_MAX: usize = 4;
 /// Steps between checks on the held-out windows.
 const CHECK_EVERY: usize = 10;
+/// The least probability the converted model's rest of the vocabulary is scored at.
+const REST_FLOOR: f64 = 1e-6;
 /// AdamW's learning rate at the start, decayed linearly to a tenth, without weight decay.
 const LR: f64 = 3e-4;
 
@@ -145,8 +148,9 @@ impl Frozen {
         Ok(frozen_product(&h, &self.head)?)
     }
 
-    /// The mean over positions of the cross-entropy of the original's top tokens
-    /// (probabilities `p` (B·T, K)) against the converted model's distribution.
+    /// The mean over positions of the cross-entropy of the original's next-token
+    /// distribution, its top tokens (probabilities `p` (B·T, K)) and the rest of the
+    /// vocabulary as one more outcome, against the converted model's, grouped the same way.
     fn loss(
         &self,
         forms: &[Form],
@@ -157,7 +161,14 @@ impl Frozen {
         let (ids, top, p) = batch;
         let logp = candle_nn::ops::log_softmax(&self.logits(forms, ids, geo, mask)?, D::Minus1)?;
         let picked = logp.gather(top, 1)?;
-        Ok(((picked * p)?.sum_all()? / -(top.dim(0)? as f64))?)
+        // The rest's probability on both sides, the converted model's kept off 0 (where the
+        // original leaves the rest nothing, the term is 0 whatever it is).
+        let rest = |p: &Tensor, floor: f64| -> Result<Tensor> {
+            Ok((1.0 - p.sum_keepdim(1)?)?.clamp(floor, 1.0)?)
+        };
+        let ours = rest(&picked.exp()?, REST_FLOOR)?.log()?;
+        let cross = ((&picked * p)?.sum_all()? + (ours * rest(p, 0.0)?)?.sum_all()?)?;
+        Ok((cross / -(top.dim(0)? as f64))?)
     }
 
     /// `loss` over windows `picks`, a batch at a time, without gradients.
