@@ -23,6 +23,7 @@ fn layer_wise(layer_steps: usize) -> Option<Heal> {
     Some(Heal {
         layer_steps,
         steps: 0,
+        lr: 0.0,
         tokens: 0,
     })
 }
@@ -77,6 +78,7 @@ fn healing_end_to_end_beats_the_layer_wise_fit() {
     let heal = Heal {
         layer_steps: 30,
         steps: 40,
+        lr: convert::heal::E2E_LR,
         tokens: 8192,
     };
     let (whole, report) = convert(&dir, "mqa", Some(heal));
@@ -257,6 +259,13 @@ fn what_healing_cannot_do_is_a_one_line_error() {
         &[],
         "--heal-steps 0",
     );
+    for lr in ["0", "NaN", "inf"] {
+        fails(
+            eval(&["--attention", "mqa", "--heal", "--heal-lr", lr]),
+            &[],
+            &format!("--heal-lr {lr}: give a finite learning rate above 0"),
+        );
+    }
     fails(
         eval(&["--attention", "mqa", "--heal", "--heal-tokens", "100"]),
         &[],

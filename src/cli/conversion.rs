@@ -134,6 +134,13 @@ pub(super) fn request(
             convert::heal::STEPS
         );
     }
+    if heal.heal && !(heal.heal_lr.is_finite() && heal.heal_lr > 0.0) {
+        anyhow::bail!(
+            "--heal-lr {}: give a finite learning rate above 0 (the default is {})",
+            heal.heal_lr,
+            convert::heal::E2E_LR
+        );
+    }
     let least = 2 * convert::heal::WINDOW;
     if heal.heal && heal.heal_e2e_steps > 0 && calibration.is_none() && heal.heal_tokens < least {
         anyhow::bail!(
@@ -149,6 +156,7 @@ pub(super) fn request(
         heal: heal.heal.then_some(convert::heal::Heal {
             layer_steps: heal.heal_steps,
             steps: heal.heal_e2e_steps,
+            lr: heal.heal_lr,
             tokens: heal.heal_tokens,
         }),
     })
@@ -191,6 +199,7 @@ pub(super) fn add_heal(out: &mut serde_json::Value, h: &convert::HealReport) {
     out["heal_error_after"] = json!(after);
     if let Some(d) = &h.end_to_end {
         out["heal_e2e_steps"] = json!(d.steps);
+        out["heal_e2e_lr"] = json!(d.lr);
         out["heal_e2e_tokens"] = json!(d.tokens);
         out["heal_e2e_secs"] = json!(d.secs);
         out["heal_e2e_loss_before"] = json!(d.before);

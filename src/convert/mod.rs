@@ -145,6 +145,7 @@ impl Conversion {
                         frozen: heal::Frozen::load(&*stored.backend, cfg, device)?,
                         targets,
                         steps: h.steps,
+                        lr: h.lr,
                     }),
                     _ => None,
                 };

@@ -33,8 +33,6 @@ const HELD_OUT_MAX: usize = 4;
 const CHECK_EVERY: usize = 10;
 /// The least probability the converted model's rest of the vocabulary is scored at.
 const REST_FLOOR: f64 = 1e-6;
-/// AdamW's learning rate at the start, decayed linearly to a tenth, without weight decay.
-const LR: f64 = 3e-4;
 
 /// Everything of the model but the converted attention, in f32, frozen.
 pub struct Frozen {
@@ -194,6 +192,8 @@ impl Frozen {
 #[derive(Debug, Clone, Copy)]
 pub struct Distilled {
     pub steps: usize,
+    /// The learning rate at the first step.
+    pub lr: f64,
     pub tokens: usize,
     pub secs: f64,
     pub before: f64,
@@ -201,14 +201,14 @@ pub struct Distilled {
 }
 
 /// Trains every layer's `forms` (f64 on the CPU, as the layer-wise fit leaves them) together
-/// towards `targets` for `steps` steps, on `geo`'s device; `progress(done, steps)` after
-/// each. Returns the forms the held-out windows liked best, in f64 on the CPU.
+/// towards `targets` for `steps` AdamW steps (without weight decay) at learning rate `lr`
+/// decaying linearly to a tenth, on `geo`'s device; `progress(done, steps)` after each. Returns the forms the held-out windows liked best, in f64 on the CPU.
 pub fn distil(
     frozen: &Frozen,
     forms: Vec<Form>,
     targets: &Targets,
     geo: &Geometry,
-    steps: usize,
+    (steps, lr): (usize, f64),
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<Form>, Distilled)> {
     let start = Instant::now();
@@ -249,13 +249,13 @@ pub fn distil(
     let before = frozen.score(&f32_forms, targets, &check, geo, &mask)?;
     let mut best = (before, f32_forms.clone());
     let params = ParamsAdamW {
-        lr: LR,
+        lr,
         weight_decay: 0.0,
         ..Default::default()
     };
     let mut opt = AdamW::new(vars.iter().flatten().cloned().collect(), params)?;
     for step in 0..steps {
-        opt.set_learning_rate(LR * (1.0 - 0.9 * step as f64 / steps as f64));
+        opt.set_learning_rate(lr * (1.0 - 0.9 * step as f64 / steps as f64));
         let picks: Vec<usize> = (0..BATCH.min(fit.len()))
             .map(|i| fit[(step * BATCH + i) % fit.len()])
             .collect();
@@ -282,6 +282,7 @@ pub fn distil(
         .collect::<Result<Vec<_>>>()?;
     let report = Distilled {
         steps,
+        lr,
         tokens: fit.len() * WINDOW,
         secs: start.elapsed().as_secs_f64(),
         before,

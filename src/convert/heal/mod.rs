@@ -45,6 +45,9 @@ pub const WINDOWS: usize = 32;
 pub const STEPS: usize = 100;
 /// End-to-end optimiser steps without `--heal-e2e-steps`.
 pub const E2E_STEPS: usize = 80;
+/// The end-to-end training's learning rate without `--heal-lr` (AdamW's, at the start; it
+/// decays linearly to a tenth).
+pub const E2E_LR: f64 = 3e-4;
 /// Tokens of its own text the original writes without `--heal-tokens`.
 pub const TOKENS: usize = 32768;
 /// Windows per optimiser step.
@@ -78,10 +81,12 @@ pub struct Geometry {
 /// What `--heal` does: optimiser steps per layer in the layer-wise fit, then steps of the
 /// whole model's end-to-end training ([`distil`]; 0: none), on `tokens` of text the
 /// original writes itself ([`crate::convert::own_text`]) when no calibration text is given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Heal {
     pub layer_steps: usize,
     pub steps: usize,
+    /// The end-to-end learning rate.
+    pub lr: f64,
     pub tokens: usize,
 }
 
@@ -91,6 +96,7 @@ pub struct EndToEnd<'a> {
     pub frozen: Frozen,
     pub targets: &'a Targets,
     pub steps: usize,
+    pub lr: f64,
 }
 
 /// Heals a conversion's layers one by one as they are converted ([`Self::layer`]), on each
@@ -151,8 +157,14 @@ impl<'a> Healer<'a> {
         let Some(w) = &self.whole else {
             return Ok(forms);
         };
-        let (forms, report) =
-            distil::distil(&w.frozen, forms, w.targets, &self.geo, w.steps, progress)?;
+        let (forms, report) = distil::distil(
+            &w.frozen,
+            forms,
+            w.targets,
+            &self.geo,
+            (w.steps, w.lr),
+            progress,
+        )?;
         self.distilled = Some(report);
         Ok(forms)
     }
