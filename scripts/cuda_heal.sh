@@ -85,7 +85,7 @@ for spec in ${HEAL_SPECS:-mqa lowrank:128 mla:64,rope=64}; do
     rm -rf /tmp/smol-healed
     name="smol-${spec//[:,=]/-}"
     /usr/bin/time -f "$spec cuda wall %e s, peak RSS %M KB" "$B" convert --model "$model" \
-        --attention "$spec" --heal "${text[@]}" --device cuda --out /tmp/smol-healed --json \
+        --attention "$spec" --heal ${text[@]+"${text[@]}"} --device cuda --out /tmp/smol-healed --json \
         > "$out/$name.json" 2> "$out/$name.err"
     tail -n 2 "$out/$name.err"
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k.startswith('heal') or k.startswith('calibration') or k == 'conversion_secs'})" "$out/$name.json"

@@ -1,7 +1,8 @@
 //! Reading and writing one sequence's positions through its block table: [`Pages`] says
 //! where positions `0..len` are in a pool's tensors, [`LayerView`] writes a step's rows there
-//! and hands them back, as views when the positions are one run (every cache of its own) and
-//! otherwise as the pool's tensors with the table ([`Held`]) for the decode op, or gathered.
+//! and hands them back, on the CPU as views when the positions are one run (every cache of
+//! its own), and otherwise as the pool's tensors with the table ([`Held`]) for the decode op,
+//! for a batch gathered from one pool, or gathered alone.
 
 use super::{LayerCache, BLOCK};
 use candle_core::{Result, Tensor};

@@ -31,7 +31,7 @@ const HELD_OUT: usize = 8;
 const HELD_OUT_MAX: usize = 4;
 /// Steps between checks on the held-out windows.
 const CHECK_EVERY: usize = 10;
-/// The least probability the converted model's rest of the vocabulary is scored at.
+/// Added to the converted model's probability of the rest of the vocabulary before its log.
 const REST_FLOOR: f64 = 1e-6;
 
 /// Everything of the model but the converted attention, in f32, frozen.
@@ -146,9 +146,7 @@ impl Frozen {
         Ok(frozen_product(&h, &self.head)?)
     }
 
-    /// The mean over positions of the cross-entropy of the original's next-token
-    /// distribution, its top tokens (probabilities `p` (B·T, K)) and the rest of the
-    /// vocabulary as one more outcome, against the converted model's, grouped the same way.
+    /// [`grouped_cross_entropy`] of the converted model's logits for `batch`'s windows.
     fn loss(
         &self,
         forms: &[Form],
@@ -157,16 +155,7 @@ impl Frozen {
         mask: &Tensor,
     ) -> Result<Tensor> {
         let (ids, top, p) = batch;
-        let logp = candle_nn::ops::log_softmax(&self.logits(forms, ids, geo, mask)?, D::Minus1)?;
-        let picked = logp.gather(top, 1)?;
-        // The rest's probability on both sides, the converted model's kept off 0 (where the
-        // original leaves the rest nothing, the term is 0 whatever it is).
-        let rest = |p: &Tensor, floor: f64| -> Result<Tensor> {
-            Ok((1.0 - p.sum_keepdim(1)?)?.clamp(floor, 1.0)?)
-        };
-        let ours = rest(&picked.exp()?, REST_FLOOR)?.log()?;
-        let cross = ((&picked * p)?.sum_all()? + (ours * rest(p, 0.0)?)?.sum_all()?)?;
-        Ok((cross / -(top.dim(0)? as f64))?)
+        grouped_cross_entropy(&self.logits(forms, ids, geo, mask)?, top, p)
     }
 
     /// `loss` over windows `picks`, a batch at a time, without gradients.
@@ -187,6 +176,20 @@ impl Frozen {
     }
 }
 
+/// The mean over positions of the cross-entropy of the original's next-token distribution,
+/// its top tokens `top` (B·T, K) with probabilities `p` and the rest of the vocabulary as
+/// one more outcome, against that of `logits` (B·T, V) grouped the same way.
+fn grouped_cross_entropy(logits: &Tensor, top: &Tensor, p: &Tensor) -> Result<Tensor> {
+    let picked = candle_nn::ops::log_softmax(logits, D::Minus1)?.gather(top, 1)?;
+    // The rest's probability on both sides (at least 0: the sums round), ours lifted off 0
+    // by REST_FLOOR, which keeps its gradient where it is tiny. Where the original leaves
+    // the rest nothing, the term is 0 whatever ours is.
+    let rest = |p: &Tensor| -> Result<Tensor> { Ok((1.0 - p.sum_keepdim(1)?)?.relu()?) };
+    let ours = (rest(&picked.exp()?)? + REST_FLOOR)?.log()?;
+    let cross = ((&picked * p)?.sum_all()? + (ours * rest(p)?)?.sum_all()?)?;
+    Ok((cross / -(top.dim(0)? as f64))?)
+}
+
 /// What the end-to-end training did: held-out loss (nats per position, the original's
 /// top-K cross-entropy) before and after, and its cost.
 #[derive(Debug, Clone, Copy)]
@@ -202,7 +205,8 @@ pub struct Distilled {
 
 /// Trains every layer's `forms` (f64 on the CPU, as the layer-wise fit leaves them) together
 /// towards `targets` for `steps` AdamW steps (without weight decay) at learning rate `lr`
-/// decaying linearly to a tenth, on `geo`'s device; `progress(done, steps)` after each. Returns the forms the held-out windows liked best, in f64 on the CPU.
+/// decaying linearly to a tenth, on `geo`'s device; `progress(done, steps)` after each.
+/// Returns the forms the held-out windows liked best, in f64 on the CPU.
 pub fn distil(
     frozen: &Frozen,
     forms: Vec<Form>,
@@ -212,6 +216,11 @@ pub fn distil(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<(Vec<Form>, Distilled)> {
     let start = Instant::now();
+    if !(lr.is_finite() && lr > 0.0) {
+        return Err(Error::Invalid(format!(
+            "--heal-lr {lr}: give a finite learning rate above 0"
+        )));
+    }
     let n = targets.windows();
     if n < 2 {
         return Err(Error::Invalid(format!(
@@ -289,4 +298,37 @@ pub fn distil(
         after: best.0,
     };
     Ok((healed, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two positions over a vocabulary of 3, the top 2 of each kept: by hand, the
+    /// cross-entropy of (q₁, q₂, rest) against the logits' softmax grouped the same way.
+    #[test]
+    fn the_rest_of_the_vocabulary_is_one_more_outcome() -> Result<()> {
+        let cpu = &Device::Cpu;
+        let logits = [[1.0f32, 2.0, 0.5], [0.0, 0.0, 3.0]];
+        let top = Tensor::new(&[[1u32, 0], [2, 0]], cpu)?;
+        let q = [[0.6f32, 0.3], [0.9, 0.1]]; // the rest: 0.1, then 0
+        let got = grouped_cross_entropy(&Tensor::new(&logits, cpu)?, &top, &Tensor::new(&q, cpu)?)?;
+        let mut want = 0.0;
+        for (r, (row, q)) in logits.iter().zip(q).enumerate() {
+            let z: f32 = row.iter().map(|l| l.exp()).sum();
+            let p = |i: usize| row[i].exp() / z;
+            let ids = [[1, 0], [2, 0]][r];
+            let rest = 1.0 - p(ids[0]) - p(ids[1]);
+            let q_rest = 1.0 - q[0] - q[1];
+            want -= q[0] * p(ids[0]).ln() + q[1] * p(ids[1]).ln();
+            want -= q_rest * (rest + REST_FLOOR as f32).ln();
+        }
+        let got = got.to_scalar::<f32>()?;
+        assert!(
+            (got - want / 2.0).abs() < 1e-5,
+            "{got} against {}",
+            want / 2.0
+        );
+        Ok(())
+    }
 }

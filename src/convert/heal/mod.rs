@@ -1,7 +1,8 @@
 //! `--heal`: after a lossy conversion, each layer's new attention is fitted to give the
 //! original attention's output on the calibration text, layer by layer (as GPTQ calibrates;
-//! [`distil`] then trains them all together, end to end): the loss is the squared error of the attention's output (after
-//! `o_proj`, before the residual add), relative to the output's energy, over windows of the
+//! [`distil`] then trains them all together, end to end): the loss is the squared error of
+//! the attention's output (after `o_proj`, before the residual add), relative to the
+//! output's energy, over windows of the
 //! original model's own inputs to that layer ([`super::calibrate::windows`]).
 //!
 //! Per layer: the output projection first by least squares (it is linear in the heads'
@@ -85,7 +86,7 @@ pub struct Geometry {
 pub struct Heal {
     pub layer_steps: usize,
     pub steps: usize,
-    /// The end-to-end learning rate.
+    /// The end-to-end learning rate (finite, above 0, when `steps` > 0).
     pub lr: f64,
     pub tokens: usize,
 }

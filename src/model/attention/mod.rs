@@ -208,6 +208,12 @@ pub fn sdpa_held(q: &Tensor, held: &Held, scale: f64, mask: Option<&Tensor>) -> 
             };
             q.contiguous()?.apply_op3_no_bwd(k, v, &op)
         }
+        // One run (off the CPU, where the pool's tensors stay: `LayerView::write_held`):
+        // views of its positions, as a cache of its own gives.
+        Some(pages) if pages.table().is_none() => {
+            let (k, v) = held.gathered()?;
+            sdpa(q, &k, &v, scale, mask)
+        }
         Some(_) => {
             let (k, v) = held.gathered()?;
             sdpa(q, &k, &v.contiguous()?, scale, mask)

@@ -1,17 +1,18 @@
 //! A batched step's spans through attention: the single new tokens that the fused decode op
 //! takes run together in one parallel loop ([`super::decode::attend_each`]), or elsewhere
-//! (a GPU), when their caches share a pool, in one batched product ([`pooled_tokens`]);
-//! every other span (a prompt chunk) on its own ([`sdpa_held`]).
+//! off the CPU (a GPU), when their caches share a pool, in one batched product
+//! ([`pooled_tokens`]); every other span (a prompt chunk, a token masked by a sliding
+//! window, one alone in its pool) on its own ([`sdpa_held`]).
 
-use super::{decode, decode_takes, join, sdpa_held, Span};
+use super::{attend, decode, decode_takes, join, sdpa_held, Span};
 use crate::kv_cache::{Held, Pages};
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Error, Result, Tensor};
 
 /// Every span's attention over what its cache holds (`helds[i]`, after the step's write),
 /// joined as (1, N, H·Dv) in the spans' order: q is (1, H, N, Dk). Two or more single new
 /// tokens that the decode op takes run together in one parallel loop
-/// ([`decode::attend_each`]), or where it does not run, two or more whose caches share a
-/// pool in [`pooled_tokens`]; every other span is [`sdpa_held`] on its own.
+/// ([`decode::attend_each`]), or off the CPU, two or more whose caches share a pool in
+/// [`pooled_tokens`]; every other span is [`sdpa_held`] on its own.
 pub fn sdpa_spans(q: &Tensor, helds: &[Held], spans: &[Span], scale: f64) -> Result<Tensor> {
     let (b, h, _, dk) = q.dims4()?;
     let one = |i: usize| {
@@ -42,7 +43,12 @@ pub fn sdpa_spans(q: &Tensor, helds: &[Held], spans: &[Span], scale: f64) -> Res
         let out = Tensor::from_vec(out, (1, fused.len(), width), q.device())?;
         (fused, out.to_dtype(q.dtype())?)
     } else {
-        let pooled: Vec<usize> = match (0..spans.len()).find(single) {
+        // Off the CPU (there, what the decode op does not take goes one by one, widened to
+        // f32 when the cache is not: `sdpa`).
+        let first = (0..spans.len())
+            .find(single)
+            .filter(|_| !q.device().is_cpu());
+        let pooled: Vec<usize> = match first {
             Some(first) => (0..spans.len())
                 .filter(single)
                 .filter(|&i| helds[i].pooled_with(&helds[first]))
@@ -72,8 +78,9 @@ pub fn sdpa_spans(q: &Tensor, helds: &[Held], spans: &[Span], scale: f64) -> Res
 /// Single new tokens `which` whose caches are one pool's, in candle's ops (a device without
 /// the fused decode op, such as a GPU): every sequence's positions gathered from the pool in
 /// one `index_select` per tensor, padded to the longest with its first position and masked
-/// there, and one batched product each side. Returns (1, N, H·Dv). One sequence at a time,
-/// each is about ten small ops a layer, and a GPU runs them far below its speed.
+/// there, and [`attend`] over them all at once, the sequences in place of its groups.
+/// Returns (1, N, H·Dv). One sequence at a time, each is about ten small ops a layer, and a
+/// GPU runs them far below its speed.
 pub(super) fn pooled_tokens(
     q: &Tensor,
     helds: &[Held],
@@ -84,9 +91,11 @@ pub(super) fn pooled_tokens(
     let (_, h, _, dk) = q.dims4()?;
     let (k, v) = (&helds[which[0]].k, &helds[which[0]].v);
     let (g, dev, n) = (k.dim(1)?, q.device(), which.len());
-    let pages: Vec<&Pages> = (which.iter())
-        .map(|&i| helds[i].pages.expect("pooled positions have a table"))
-        .collect();
+    let pages = (which.iter())
+        .map(|&i| {
+            (helds[i].pages).ok_or_else(|| Error::Msg("pooled: a cache without a table".into()))
+        })
+        .collect::<Result<Vec<&Pages>>>()?;
     let long = pages.iter().map(|p| p.len()).max().unwrap_or(0);
     let (mut at, mut mask) = (Vec::with_capacity(n * long), Vec::with_capacity(n * long));
     for p in &pages {
@@ -97,18 +106,21 @@ pub(super) fn pooled_tokens(
         }
     }
     let at = Tensor::from_vec(at, n * long, dev)?;
-    let mask = Tensor::from_vec(mask, (1, n, 1, long), dev)?;
+    // Broadcast over (G, N, H/G, 1, L) in `attend`: sequence n's padding hidden.
+    let mask = Tensor::from_vec(mask, (1, n, 1, 1, long), dev)?;
     // (1, G, N·L, D) -> (G, N, L, D).
     let gather = |t: &Tensor| t.index_select(&at, 2)?.reshape((g, n, long, t.dim(3)?));
     let (k, v) = (gather(k)?, gather(v)?);
     let starts: Vec<u32> = which.iter().map(|&i| spans[i].start as u32).collect();
     let q = q.index_select(&Tensor::new(starts.as_slice(), dev)?, 2)?; // (1, H, N, Dk)
     let q = (q.reshape((g, h / g, n, dk))?.transpose(1, 2)?).contiguous()?; // (G, N, H/G, Dk)
-    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale)?; // (G, N, H/G, L)
-    let att = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-    let y = att.to_dtype(v.dtype())?.matmul(&v)?; // (G, N, H/G, Dv)
+    let scores = q.matmul(&k.t()?)?; // (G, N, H/G, L)
+    let y = attend(&scores, &v, n * h / g, 1, scale, Some(&mask))?; // (G, N·H/G, 1, Dv)
     let dv = y.dim(3)?;
-    y.transpose(0, 1)?.reshape((1, n, h * dv))
+    // (G, N, H/G, Dv) -> (N, G, H/G, Dv): each token's heads in `sdpa`'s order, g·H/G + r.
+    y.reshape((g, n, h / g, dv))?
+        .transpose(0, 1)?
+        .reshape((1, n, h * dv))
 }
 
 #[cfg(test)]
