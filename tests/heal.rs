@@ -23,7 +23,7 @@ fn layer_wise(layer_steps: usize) -> Option<Heal> {
     Some(Heal {
         layer_steps,
         steps: 0,
-        lr: 0.0,
+        lr: None,
         tokens: 0,
     })
 }
@@ -78,7 +78,7 @@ fn healing_end_to_end_beats_the_layer_wise_fit() {
     let heal = Heal {
         layer_steps: 30,
         steps: 40,
-        lr: convert::heal::E2E_LR,
+        lr: None,
         tokens: 8192,
     };
     let (whole, report) = convert(&dir, "mqa", Some(heal));
@@ -158,6 +158,7 @@ fn convert_writes_the_healed_model() {
     let (written, live, out) = written_as_run("stories260K-lowrank16", &args);
     assert_eq!(written["heal_steps"], 5);
     assert_eq!(written["heal_e2e_steps"], 4);
+    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR);
     assert!(live["heal_secs"].as_f64().unwrap() > 0.0);
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();
@@ -198,7 +199,8 @@ fn convert_writes_a_healed_mla_model() {
         "--heal-e2e-steps",
         "4",
     ];
-    let (_, live, out) = written_as_run("stories260K-mla16", &args);
+    let (written, live, out) = written_as_run("stories260K-mla16", &args);
+    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR_MLA);
     let a = live["mean_nll"].as_f64().unwrap();
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();

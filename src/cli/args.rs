@@ -88,9 +88,9 @@ pub struct HealArgs {
     #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::E2E_STEPS, requires = "heal")]
     pub heal_e2e_steps: usize,
     /// The learning rate of --heal's end-to-end training at its first step (AdamW; it
-    /// decays linearly to a tenth by the last).
-    #[arg(long, value_name = "LR", default_value_t = tiny_decoder::convert::heal::E2E_LR, requires = "heal")]
-    pub heal_lr: f64,
+    /// decays linearly to a tenth by the last) [default: 3e-4, for mla:R 1e-4].
+    #[arg(long, value_name = "LR", requires = "heal")]
+    pub heal_lr: Option<f64>,
     /// Tokens of text the original model writes itself (batched sampling from varied short
     /// prompts, through its chat template) for --heal without --calibration.
     #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::TOKENS, requires = "heal")]

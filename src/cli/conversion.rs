@@ -134,11 +134,12 @@ pub(super) fn request(
             convert::heal::STEPS
         );
     }
-    if heal.heal && !(heal.heal_lr.is_finite() && heal.heal_lr > 0.0) {
+    if let Some(lr) = heal.heal_lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
         anyhow::bail!(
-            "--heal-lr {}: give a finite learning rate above 0 (the default is {})",
-            heal.heal_lr,
-            convert::heal::E2E_LR
+            "--heal-lr {lr}: give a finite learning rate above 0 (the default is {}, {} for \
+             mla:R)",
+            convert::heal::E2E_LR,
+            convert::heal::E2E_LR_MLA
         );
     }
     let least = 2 * convert::heal::WINDOW;
