@@ -176,10 +176,20 @@ pub fn generate(
 
 /// A cache for `prompt` + `new` tokens, capped at the model's context length.
 pub fn cache_for(model: &Transformer, prompt: usize, new: usize) -> Result<KvCache> {
-    let cfg = model.config();
-    let capacity = prompt.saturating_add(new).min(cfg.max_position_embeddings);
     let device: &Device = model.device();
-    KvCache::new(cfg, capacity, model.dtype(), device)
+    KvCache::new(
+        model.config(),
+        capacity(model, prompt, new),
+        model.dtype(),
+        device,
+    )
+}
+
+/// Positions for `prompt` + `new` tokens, capped at the model's context length.
+pub fn capacity(model: &Transformer, prompt: usize, new: usize) -> usize {
+    prompt
+        .saturating_add(new)
+        .min(model.config().max_position_embeddings)
 }
 
 /// Generates after `prompt_ids` into `cache`, which may already hold a prefix of them: the

@@ -107,8 +107,7 @@ pub fn write(
         // decode op reads the pool's tables: SmolLM2's 4k tokens took 10.2-11.0 s so,
         // 10.0-10.2 s in caches of their own, Zen 5.)
         let cfg = model.config();
-        let capacity =
-            |p: &Vec<u32>| (p.len().saturating_add(NEW_TOKENS)).min(cfg.max_position_embeddings);
+        let capacity = |p: &Vec<u32>| generate::capacity(model, p.len(), NEW_TOKENS);
         let blocks: usize = prompts.iter().map(|p| capacity(p).div_ceil(BLOCK)).sum();
         let per_token = cfg.kv_bytes_per_token(model.dtype().size_in_bytes());
         let pool = KvPool::new(
