@@ -15,28 +15,41 @@ use cli::args::{Cli, Command};
 /// peak RSS stays the same (it is set by the largest forward), it is only not given back.
 /// SmolLM2-135M prefill of 512 tokens on the AVX2 host: bf16 290 -> 395 tok/s, f32 280 -> 300-390
 /// (alternating runs). mimalloc was as fast but raised the peak RSS by 60 MB (356 -> 414).
+///
+/// `convert --heal` trains: a step's autograd graph holds some 3 GB of activations for
+/// SmolLM2, freed at once after the backward, above any trim threshold, so there trimming is
+/// off altogether (the peak is the same; the kernel no longer zeroes those pages again
+/// every step: 15% of the end-to-end training's time).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
+fn keep_freed_memory(trains: bool) {
     // glibc takes at most 32 MiB (half its heap size) for the mmap threshold on 64-bit.
     const MMAP: libc::c_int = 32 << 20;
-    const TRIM: libc::c_int = 1 << 30;
+    // -1: never trim (mallopt(3)).
+    let trim: libc::c_int = if trains { -1 } else { 1 << 30 };
     // SAFETY: mallopt only sets allocator parameters; called before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, trim);
     }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
+fn keep_freed_memory(_trains: bool) {}
 
-fn run() -> anyhow::Result<i32> {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        // --help and --version print to stdout and exit 0; usage errors print their whole
-        // message (which argument, what was expected, the usage line) and exit 2.
-        Err(e) => e.exit(),
-    };
+/// candle's CPU ops run on its own pool, whose worker spins for 25,000 rounds after each op
+/// before it sleeps. In `convert`, whose calibration and training interleave candle's ops
+/// with products on our pool and on `gemm`'s rayon threads, that spinning took a core from
+/// them: on 2 Zen 5 cores, SmolLM2 `mla:64` with 15 steps of end-to-end training, 147 s ->
+/// 118 s for the training and 104 s -> 97 s for the calibration forwards. (Only for
+/// `convert`: inference was not measured with it.)
+fn quiet_candle_pool(convert: bool) {
+    const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+    if convert && std::env::var_os(VAR).is_none() {
+        std::env::set_var(VAR, "0");
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Generate(a) => cli::run_generate(a),
         Command::Chat(a) => cli::run_chat(a).map(|_| 0),
@@ -59,7 +72,15 @@ fn pin_thread_count() {
 }
 
 fn main() {
-    keep_freed_memory();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print to stdout and exit 0; usage errors print their whole
+        // message (which argument, what was expected, the usage line) and exit 2.
+        Err(e) => e.exit(),
+    };
+    let convert = matches!(cli.command, Command::Convert(_));
+    keep_freed_memory(convert);
+    quiet_candle_pool(convert);
     pin_thread_count();
     std::panic::set_hook(Box::new(|info| {
         eprintln!(
@@ -67,7 +88,7 @@ fn main() {
             info.to_string().replace('\n', " ")
         );
     }));
-    match run() {
+    match run(cli) {
         Ok(0) => {}
         Ok(code) => {
             use std::io::Write;

@@ -14,7 +14,8 @@
 //! it saw is what is kept (the layer-wise result when nothing beats it).
 
 use super::attend::{mask, output, Form};
-use super::product::frozen_product;
+use super::head_loss::Head;
+use super::product::Weight;
 use super::targets::Targets;
 use super::{Geometry, WINDOW};
 use crate::config::{AttentionConfig, MlpConfig, ModelConfig};
@@ -32,14 +33,14 @@ const HELD_OUT_MAX: usize = 4;
 /// Steps between checks on the held-out windows.
 const CHECK_EVERY: usize = 10;
 /// Added to the converted model's probability of the rest of the vocabulary before its log.
-const REST_FLOOR: f64 = 1e-6;
+pub(super) const REST_FLOOR: f64 = 1e-6;
 
 /// Everything of the model but the converted attention, in f32, frozen.
 pub struct Frozen {
     embed: Tensor,
     layers: Vec<FrozenLayer>,
     norm: Tensor,
-    head: Tensor,
+    head: Head,
     eps: f64,
 }
 
@@ -48,7 +49,7 @@ struct FrozenLayer {
     post_norm: Tensor,
     o_bias: Option<Tensor>,
     /// gate, up, down: (weight, bias).
-    mlp: [(Tensor, Option<Tensor>); 3],
+    mlp: [(Weight, Option<Tensor>); 3],
 }
 
 impl Frozen {
@@ -68,8 +69,8 @@ impl Frozen {
                 )));
             };
             let p = format!("model.layers.{l}");
-            let proj = |name: &str| -> Result<(Tensor, Option<Tensor>)> {
-                let w = get(&format!("{p}.mlp.{name}.weight"))?;
+            let proj = |name: &str| -> Result<(Weight, Option<Tensor>)> {
+                let w = Weight::new(get(&format!("{p}.mlp.{name}.weight"))?)?;
                 let b = match bias {
                     true => Some(get(&format!("{p}.mlp.{name}.bias"))?),
                     false => None,
@@ -95,7 +96,7 @@ impl Frozen {
             embed,
             layers,
             norm: get("model.norm.weight")?,
-            head,
+            head: Head::new(head)?,
             eps: cfg.rms_norm_eps,
         })
     }
@@ -107,9 +108,9 @@ impl Frozen {
         Ok(x.broadcast_mul(&scale)?.broadcast_mul(w)?)
     }
 
-    /// The converted model's logits (B·T, V) for `ids` (B, T) with `forms` as its layers'
-    /// attention (f32), in differentiable ops.
-    fn logits(
+    /// The converted model's last hidden states, normed, (B·T, C) for `ids` (B, T) with
+    /// `forms` as its layers' attention (f32), in differentiable ops.
+    fn hidden(
         &self,
         forms: &[Form],
         ids: &Tensor,
@@ -123,8 +124,8 @@ impl Frozen {
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, c))?;
         let ones = Tensor::ones((b, t, 1), DType::F32, x.device())?;
-        let linear = |x: &Tensor, (w, bias): &(Tensor, Option<Tensor>)| -> Result<Tensor> {
-            let y = frozen_product(x, w)?;
+        let linear = |x: &Tensor, (w, bias): &(Weight, Option<Tensor>)| -> Result<Tensor> {
+            let y = w.product(x)?;
             Ok(match bias {
                 Some(bias) => y.broadcast_add(bias)?,
                 None => y,
@@ -142,11 +143,11 @@ impl Frozen {
             let g = candle_nn::ops::silu(&linear(&h, gate)?)?;
             x = (&x + linear(&(g * linear(&h, up)?)?, down)?)?;
         }
-        let h = self.rms(&x, &self.norm)?.reshape((b * t, c))?;
-        Ok(frozen_product(&h, &self.head)?)
+        Ok(self.rms(&x, &self.norm)?.reshape((b * t, c))?)
     }
 
-    /// [`grouped_cross_entropy`] of the converted model's logits for `batch`'s windows.
+    /// [`grouped_cross_entropy`] of the converted model's logits for `batch`'s windows
+    /// ([`Head::loss`]).
     fn loss(
         &self,
         forms: &[Form],
@@ -155,7 +156,7 @@ impl Frozen {
         mask: &Tensor,
     ) -> Result<Tensor> {
         let (ids, top, p) = batch;
-        grouped_cross_entropy(&self.logits(forms, ids, geo, mask)?, top, p)
+        self.head.loss(&self.hidden(forms, ids, geo, mask)?, top, p)
     }
 
     /// `loss` over windows `picks`, a batch at a time, without gradients.
@@ -179,7 +180,7 @@ impl Frozen {
 /// The mean over positions of the cross-entropy of the original's next-token distribution,
 /// its top tokens `top` (B·T, K) with probabilities `p` and the rest of the vocabulary as
 /// one more outcome, against that of `logits` (B·T, V) grouped the same way.
-fn grouped_cross_entropy(logits: &Tensor, top: &Tensor, p: &Tensor) -> Result<Tensor> {
+pub(super) fn grouped_cross_entropy(logits: &Tensor, top: &Tensor, p: &Tensor) -> Result<Tensor> {
     let picked = candle_nn::ops::log_softmax(logits, D::Minus1)?.gather(top, 1)?;
     // The rest's probability on both sides (at least 0: the sums round), ours lifted off 0
     // by REST_FLOOR, which keeps its gradient where it is tiny. Where the original leaves

@@ -18,6 +18,7 @@
 
 mod attend;
 pub mod distil;
+mod head_loss;
 mod product;
 pub mod targets;
 

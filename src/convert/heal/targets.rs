@@ -8,8 +8,12 @@
 use super::WINDOW;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
+use crate::model::attention::decode::softmax_row;
+use crate::model::linear::simd::Isa;
+use crate::model::pool::each_row;
 use crate::model::Transformer;
 use candle_core::{DType, Device, Tensor};
+use std::sync::Mutex;
 
 /// The original's most probable next tokens kept per position.
 pub const TOP_K: usize = 64;
@@ -47,11 +51,15 @@ impl Targets {
                 .to_dtype(DType::F32)?
                 .to_device(&Device::Cpu)?;
             let (t, v) = logits.dims2()?;
-            let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+            let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
             let k = TOP_K.min(v);
+            let rows: Vec<Mutex<(Vec<u32>, Vec<f32>)>> = (0..t).map(|_| Mutex::default()).collect();
+            each_row(&mut logits, v, |r, row| {
+                *rows[r].lock().unwrap_or_else(|e| e.into_inner()) = top_k(row, k);
+            });
             let (mut top, mut p) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
-            for row in logits.chunks_exact(v) {
-                let (ids, probs) = top_k(row, k);
+            for row in rows {
+                let (ids, probs) = row.into_inner().unwrap_or_else(|e| e.into_inner());
                 top.extend(ids);
                 p.extend(probs);
             }
@@ -92,8 +100,9 @@ impl Targets {
 }
 
 /// The `k` largest of `logits` (most likely first; selected, not sorted whole: a
-/// vocabulary of 50k a position) and their probabilities, the softmax over all of `logits`.
-fn top_k(logits: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+/// vocabulary of 50k a position) and their probabilities, the softmax over all of `logits`,
+/// which it leaves as `exp(logit − max)`.
+fn top_k(logits: &mut [f32], k: usize) -> (Vec<u32>, Vec<f32>) {
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
     if k < ids.len() {
@@ -101,12 +110,8 @@ fn top_k(logits: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
         ids.truncate(k);
     }
     ids.sort_unstable_by(by_logit);
-    let max = logits[ids[0] as usize];
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let p = ids
-        .iter()
-        .map(|&i| (((logits[i as usize] - max) as f64).exp() / sum) as f32)
-        .collect();
+    let (_, sum) = softmax_row(Isa::current(), logits, 1.0);
+    let p = ids.iter().map(|&i| logits[i as usize] / sum).collect();
     (ids, p)
 }
 
@@ -119,7 +124,7 @@ mod tests {
         // A scrambled vocabulary of 1000: logit i/100 at a position that varies.
         let v = 1000;
         let logits: Vec<f32> = (0..v).map(|i| ((i * 617) % v) as f32 / 100.0).collect();
-        let (ids, p) = top_k(&logits, 5);
+        let (ids, p) = top_k(&mut logits.clone(), 5);
         let want: Vec<u32> = (0..5).map(|r| ((v - 1 - r) * 953 % v) as u32).collect();
         // 617 · 953 ≡ 1 (mod 1000): token (j·953) mod 1000 has logit j/100.
         assert_eq!(ids, want);
@@ -132,7 +137,7 @@ mod tests {
         }
         // k past the vocabulary: all of it, most likely first, summing to 1.
         let e2 = 2f32.exp();
-        let (ids, p) = top_k(&[1.0, 3.0], 64);
+        let (ids, p) = top_k(&mut [1.0, 3.0], 64);
         assert_eq!(ids, vec![1, 0]);
         assert!((p[0] - e2 / (1.0 + e2)).abs() < 1e-6 && (p[1] - 1.0 / (1.0 + e2)).abs() < 1e-6);
     }

@@ -370,8 +370,9 @@ mod query;
 mod tile;
 
 pub use each::attend_each;
+pub(super) use tile::accumulate;
 pub(crate) use tile::exp;
-pub(super) use tile::{accumulate, softmax_row};
+pub use tile::softmax_row;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {

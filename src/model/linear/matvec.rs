@@ -71,6 +71,18 @@ fn product<X: Sync, W: Sync>(x: &[X], k: usize, w: &[W], y: &mut [f32], kernel: 
     });
 }
 
+/// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K), all f32 and row-major, on the kernels that
+/// suit M rows here (any M; with the scalar loop only, slower than candle's matmul).
+///
+/// # Panics
+/// If x, w and y are not M × K, N × K and M × N.
+pub fn rows_f32(x: &[f32], k: usize, w: &[f32], y: &mut [f32]) {
+    match prefill::by_gemm(x.len() / k.max(1), Weights::F32(w)) {
+        true => prefill::product(x, k, Weights::F32(w), y),
+        false => product(x, k, w, y, simd::rows_f32_strided),
+    }
+}
+
 /// The op: `x` (.., K), `W` (N, K); output (.., N) in x's dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct MatVec;
@@ -126,10 +138,7 @@ impl CustomOp2 for MatVec {
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
                 let (x, w) = (slice(x, l1, "x")?, slice(w, l2, "weight")?);
-                match prefill::by_gemm(m, Weights::F32(w)) {
-                    true => prefill::product(x, k, Weights::F32(w), &mut y),
-                    false => product(x, k, w, &mut y, simd::rows_f32_strided),
-                }
+                rows_f32(x, k, w, &mut y);
                 CpuStorage::F32(y)
             }
             (CpuStorage::F32(x), CpuStorage::BF16(w)) => {
