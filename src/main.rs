@@ -16,16 +16,16 @@ use cli::args::{Cli, Command};
 /// SmolLM2-135M prefill of 512 tokens on the AVX2 host: bf16 290 -> 395 tok/s, f32 280 -> 300-390
 /// (alternating runs). mimalloc was as fast but raised the peak RSS by 60 MB (356 -> 414).
 ///
-/// `convert --heal` trains: a step's autograd graph holds some 3 GB of activations for
-/// SmolLM2, freed at once after the backward, above any trim threshold, so there trimming is
-/// off altogether (the peak is the same; the kernel no longer zeroes those pages again
-/// every step: 15% of the end-to-end training's time).
+/// `convert` (whose `--heal` trains: a step's autograd graph holds some 3 GB of activations
+/// for SmolLM2, freed at once after the backward, above any trim threshold) never trims
+/// (the peak is the same; the kernel no longer zeroes those pages again every step: a
+/// quarter of the end-to-end training's time, 126 s -> 95 s for 15 steps).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory(trains: bool) {
+fn keep_freed_memory(convert: bool) {
     // glibc takes at most 32 MiB (half its heap size) for the mmap threshold on 64-bit.
     const MMAP: libc::c_int = 32 << 20;
     // -1: never trim (mallopt(3)).
-    let trim: libc::c_int = if trains { -1 } else { 1 << 30 };
+    let trim: libc::c_int = if convert { -1 } else { 1 << 30 };
     // SAFETY: mallopt only sets allocator parameters; called before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP);
@@ -34,7 +34,7 @@ fn keep_freed_memory(trains: bool) {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory(_trains: bool) {}
+fn keep_freed_memory(_convert: bool) {}
 
 /// candle's CPU ops run on its own pool, whose worker spins for 25,000 rounds after each op
 /// before it sleeps. In `convert`, whose calibration and training interleave candle's ops

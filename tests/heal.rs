@@ -158,7 +158,7 @@ fn convert_writes_the_healed_model() {
     let (written, live, out) = written_as_run("stories260K-lowrank16", &args);
     assert_eq!(written["heal_steps"], 5);
     assert_eq!(written["heal_e2e_steps"], 4);
-    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR);
+    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR_LATENT);
     assert!(live["heal_secs"].as_f64().unwrap() > 0.0);
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();
@@ -200,7 +200,7 @@ fn convert_writes_a_healed_mla_model() {
         "4",
     ];
     let (written, live, out) = written_as_run("stories260K-mla16", &args);
-    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR_MLA);
+    assert_eq!(written["heal_e2e_lr"], convert::heal::E2E_LR_LATENT);
     let a = live["mean_nll"].as_f64().unwrap();
     let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stories-heldout.txt");
     let f = file.to_str().unwrap();

@@ -88,7 +88,7 @@ pub struct HealArgs {
     #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::E2E_STEPS, requires = "heal")]
     pub heal_e2e_steps: usize,
     /// The learning rate of --heal's end-to-end training at its first step (AdamW; it
-    /// decays linearly to a tenth by the last) [default: 3e-4, for mla:R 1e-4].
+    /// decays linearly to a tenth by the last) [default: 3e-4, for mla:R and lowrank:R 1e-4].
     #[arg(long, value_name = "LR", requires = "heal")]
     pub heal_lr: Option<f64>,
     /// Tokens of text the original model writes itself (batched sampling from varied short

@@ -137,9 +137,9 @@ pub(super) fn request(
     if let Some(lr) = heal.heal_lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
         anyhow::bail!(
             "--heal-lr {lr}: give a finite learning rate above 0 (the default is {}, {} for \
-             mla:R)",
+             mla:R and lowrank:R)",
             convert::heal::E2E_LR,
-            convert::heal::E2E_LR_MLA
+            convert::heal::E2E_LR_LATENT
         );
     }
     let least = 2 * convert::heal::WINDOW;

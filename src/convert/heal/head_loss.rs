@@ -7,8 +7,8 @@
 //! allocation that the kernel zeroes page by page, and a pass of their own. Here the logits
 //! are made [`ROWS`] positions at a time in one buffer on our kernels (the AVX-512 tile reads
 //! the head once per 64 rows), turned into the loss and, in place, into its gradient
-//! (softmax · (P − c·S) − q at the top tokens, below), which one more product takes back to
-//! h. The backward only scales what the forward kept.
+//! (softmax · (P − c·S), plus c·s − q at the top tokens: [`position`]), which one more
+//! product takes back to h. The backward only scales what the forward kept.
 
 use super::distil::{grouped_cross_entropy, REST_FLOOR};
 use super::product::{in_place, Weight};
@@ -19,9 +19,12 @@ use crate::model::pool::{each_row, Disjoint};
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
-/// Positions whose logits are made at once: 128 × 49,152 f32 are 25 MB, under glibc's
-/// largest mmap threshold, so the buffer is reused rather than mapped afresh.
+/// Positions whose logits are made at once, at most: fewer where a chunk's logits would
+/// pass [`CHUNK_BYTES`] (SmolLM2's 49,152 tokens: 128 rows, 25 MB).
 const ROWS: usize = 128;
+/// Under the 32 MiB mmap threshold `main.rs` gives glibc, so the buffer comes from the
+/// heap, reused, rather than mapped (and zeroed by the kernel) afresh each step.
+const CHUNK_BYTES: usize = 30 << 20;
 
 /// The frozen head (V, C), with its transpose where our kernels run the fused op.
 pub struct Head(Weight);
@@ -34,7 +37,8 @@ impl Head {
     /// The mean over positions of the grouped cross-entropy of the original's top tokens
     /// `top` (N, K) with probabilities `p` against the logits `h·wᵀ` for h (N, C).
     pub fn loss(&self, h: &Tensor, top: &Tensor, p: &Tensor) -> crate::error::Result<Tensor> {
-        let (Some(t), true) = (self.0.transposed(), h.device().is_cpu()) else {
+        let ours = h.device().is_cpu() && h.dtype() == candle_core::DType::F32;
+        let (Some(t), true) = (self.0.transposed(), ours) else {
             return grouped_cross_entropy(&self.0.product(h)?, top, p);
         };
         let op = HeadLoss {
@@ -51,11 +55,14 @@ impl Head {
 }
 
 struct HeadLoss {
+    /// The head (V, C) and its transpose (C, V).
     w: Tensor,
     t: Tensor,
+    /// Per position, the original's top `k` tokens (N·k) and their probabilities (N·k).
     top: Vec<u32>,
     p: Vec<f32>,
     k: usize,
+    /// Whether h is trained (the held-out scores are not): only then the gradient is made.
     want_grad: bool,
     /// d loss / d h, made by the forward for the backward.
     grad: Mutex<Option<Tensor>>,
@@ -72,21 +79,29 @@ impl CustomOp1 for HeadLoss {
         };
         let h = &h[a..b];
         let (v, c) = self.w.dims2()?;
-        let (n, k) = (self.top.len() / self.k.max(1), self.k);
-        if h.len() != n * c || self.p.len() != n * k {
+        let (n, hc) = l.shape().dims2()?;
+        let k = self.k;
+        if hc != c || self.top.len() != n * k || self.p.len() != n * k {
             return Err(Error::Msg(format!(
-                "head loss: h {:?}, {n} positions of {k} top tokens, head {v}x{c}",
-                l.shape()
+                "head loss: h {:?}, {} top tokens for {k} a position, head {v}x{c}",
+                l.shape(),
+                self.top.len()
+            )));
+        }
+        if let Some(bad) = self.top.iter().find(|&&i| i as usize >= v) {
+            return Err(Error::Msg(format!(
+                "head loss: top token {bad} outside the vocabulary of {v}"
             )));
         }
         let isa = Isa::current();
+        let chunk = (CHUNK_BYTES / (4 * v).max(1)).clamp(1, ROWS);
         let mut losses = vec![0f32; n];
         let mut grad = vec![0f32; if self.want_grad { n * c } else { 0 }];
-        let mut z = vec![0f32; ROWS.min(n) * v];
+        let mut z = vec![0f32; chunk.min(n) * v];
         in_place(&self.w, |w| {
             in_place(&self.t, |t| {
-                for r0 in (0..n).step_by(ROWS) {
-                    let rows = ROWS.min(n - r0);
+                for r0 in (0..n).step_by(chunk) {
+                    let rows = chunk.min(n - r0);
                     let z = &mut z[..rows * v];
                     rows_f32(&h[r0 * c..(r0 + rows) * c], c, w, z);
                     let out = Disjoint(losses[r0..].as_mut_ptr());
@@ -111,7 +126,8 @@ impl CustomOp1 for HeadLoss {
     }
 
     fn bwd(&self, _h: &Tensor, _loss: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let mine = self.grad.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Cloned, not taken: a second backward through the same graph gets it again.
+        let mine = self.grad.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let g = mine.ok_or_else(|| Error::Msg("head loss: no gradient kept".into()))?;
         Ok(Some(g.broadcast_mul(grad)?))
     }
@@ -120,7 +136,8 @@ impl CustomOp1 for HeadLoss {
 /// One position: its logits `row` in, `-Σ q log s_top − q_rest log(s_rest + floor)` out
 /// (s the softmax, q the original's `p` at `top`), and `row` replaced by that loss's
 /// gradient divided by `n`, the loss being the mean over n positions. With S = Σ s_top,
-/// P = Σ q and c = q_rest / (1 − S + floor) (0 where 1 − S ≤ 0, as the relu gives):
+/// P = Σ q and c = q_rest / (1 − S + floor) (0 where 1 − S < 0, as the relu gives; at
+/// exactly 0 candle's relu passes the gradient, this takes it as 0, a rounding apart):
 /// ∂/∂z_j = s_j·(P − c·S) − Σ_{k: top_k = j} (q_k − c·s_j).
 fn position(isa: Isa, row: &mut [f32], top: &[u32], q: &[f32], n: usize) -> f32 {
     let picked: Vec<f32> = top.iter().map(|&i| row[i as usize]).collect();

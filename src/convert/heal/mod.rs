@@ -48,16 +48,19 @@ pub const STEPS: usize = 100;
 /// End-to-end optimiser steps without `--heal-e2e-steps`.
 pub const E2E_STEPS: usize = 80;
 /// The end-to-end training's learning rate without `--heal-lr` (AdamW's, at the start; it
-/// decays linearly to a tenth), for every form but MLA.
+/// decays linearly to a tenth), for the forms without a latent (`gqa:G`, `mqa`).
 pub const E2E_LR: f64 = 3e-4;
-/// The same for MLA, whose latent's two factors move together: SmolLM2 `mla:64,rope=64`, the
-/// same text, scored +0.490 on passage.txt at 1e-4 against +0.637 at 3e-4 (docs/conversion.md).
-pub const E2E_LR_MLA: f64 = 1e-4;
+/// The same for MLA and low-rank forms, whose latent's two factors move together: SmolLM2
+/// `mla:64,rope=64`, the same text, scored +0.490 on passage.txt at 1e-4 against +0.637 at
+/// 3e-4; `lowrank:128` kept nothing of its end-to-end training at 3e-4 and scored +0.238 at
+/// 1e-4 (docs/conversion.md).
+pub const E2E_LR_LATENT: f64 = 1e-4;
 
 /// The end-to-end learning rate without `--heal-lr` for layers converted to `forms`.
 pub fn default_lr(forms: &[Form]) -> f64 {
-    match forms.iter().any(|f| matches!(f, Form::Mla { .. })) {
-        true => E2E_LR_MLA,
+    let latent = |f: &Form| matches!(f, Form::Mla { .. } | Form::LowRank { .. });
+    match forms.iter().any(latent) {
+        true => E2E_LR_LATENT,
         false => E2E_LR,
     }
 }

@@ -21,7 +21,9 @@ pub struct Weight {
 
 impl Weight {
     pub fn new(w: Tensor) -> Result<Self> {
-        let ours = w.device().is_cpu() && w.dtype() == DType::F32 && takes_rows(Isa::current(), 2);
+        // Many rows of x (2 stands for any number above one).
+        let many = takes_rows(Isa::current(), 2);
+        let ours = w.device().is_cpu() && w.dtype() == DType::F32 && many;
         let t = match ours {
             true => Some(w.t()?.contiguous()?),
             false => None,

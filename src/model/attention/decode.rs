@@ -372,7 +372,7 @@ mod tile;
 pub use each::attend_each;
 pub(super) use tile::accumulate;
 pub(crate) use tile::exp;
-pub use tile::softmax_row;
+pub(crate) use tile::softmax_row;
 
 /// bf16 values as their raw bits.
 fn bits(x: &[bf16]) -> &[u16] {
