@@ -13,7 +13,7 @@
 use super::distil::{grouped_cross_entropy, REST_FLOOR};
 use super::product::{in_place, Weight};
 use crate::model::attention::decode::softmax_row;
-use crate::model::linear::matvec::rows_f32;
+use crate::model::linear::matvec::{rows_f32, slice};
 use crate::model::linear::simd::Isa;
 use crate::model::pool::{each_row, Disjoint};
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Result, Shape, Tensor};
@@ -74,10 +74,10 @@ impl CustomOp1 for HeadLoss {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(h), Some((a, b))) = (s, l.contiguous_offsets()) else {
-            return Err(Error::Msg("head loss: h not contiguous f32".into()));
+        let CpuStorage::F32(h) = s else {
+            return Err(Error::Msg("head loss: h not f32".into()));
         };
-        let h = &h[a..b];
+        let h = slice(h, l, "head loss: h")?;
         let (v, c) = self.w.dims2()?;
         let (n, hc) = l.shape().dims2()?;
         let k = self.k;

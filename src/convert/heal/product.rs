@@ -8,7 +8,7 @@
 //! candle's own pool, spinning between its ops, fought for the same two cores.) Elsewhere
 //! (a GPU, a CPU with the scalar loop) candle's matmul.
 
-use crate::model::linear::matvec::{rows_f32, takes_rows};
+use crate::model::linear::matvec::{rows_f32, slice, takes_rows};
 use crate::model::linear::simd::Isa;
 use candle_core::{CpuStorage, CustomOp1, DType, Error, Layout, Result, Shape};
 use candle_core::{Storage, Tensor};
@@ -68,16 +68,17 @@ impl CustomOp1 for Rows {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), Some((a, b))) = (s, l.contiguous_offsets()) else {
-            return Err(Error::Msg("frozen product: x not contiguous f32".into()));
+        let CpuStorage::F32(x) = s else {
+            return Err(Error::Msg("frozen product: x not f32".into()));
         };
+        let x = slice(x, l, "frozen product: x")?;
         let (n, k) = self.0.dims2()?;
         let dims = l.shape().dims();
         if dims.last() != Some(&k) {
             return Err(Error::Msg(format!("frozen product: x {dims:?}, w {n}x{k}")));
         }
-        let mut y = vec![0f32; (b - a) / k * n];
-        in_place(&self.0, |w| rows_f32(&x[a..b], k, w, &mut y))?;
+        let mut y = vec![0f32; x.len() / k * n];
+        in_place(&self.0, |w| rows_f32(x, k, w, &mut y))?;
         let mut out = dims.to_vec();
         *out.last_mut().expect("x has a last dimension") = n;
         Ok((CpuStorage::F32(y), Shape::from(out)))

@@ -106,7 +106,7 @@ impl MatVec {
 }
 
 /// The contiguous slice a layout covers, or an error naming the operand.
-fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
+pub(crate) fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
         Some((start, end)) => Ok(&data[start..end]),
         None => Err(Error::Msg(format!("matvec: {what} must be contiguous"))),
