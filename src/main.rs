@@ -37,14 +37,16 @@ fn keep_freed_memory(convert: bool) {
 fn keep_freed_memory(_convert: bool) {}
 
 /// candle's CPU ops run on its own pool, whose worker spins for 25,000 rounds after each op
-/// before it sleeps. In `convert`, whose calibration and training interleave candle's ops
-/// with products on our pool and on `gemm`'s rayon threads, that spinning took a core from
-/// them: on 2 Zen 5 cores, SmolLM2 `mla:64` with 15 steps of end-to-end training, 147 s ->
-/// 118 s for the training and 104 s -> 97 s for the calibration forwards. (Only for
-/// `convert`: inference was not measured with it.)
-fn quiet_candle_pool(convert: bool) {
+/// before it sleeps, on the same cores that our pool and `gemm`'s rayon threads need next.
+/// Every command sets the limit to 0 unless it is set (2 Zen 5 cores, alternating runs):
+/// - `convert`, SmolLM2 `mla:64` with 15 steps of end-to-end training: 147 s -> 118 s, and
+///   the calibration forwards 104 s -> 97 s;
+/// - `bench`, SmolLM2 bf16: prefill of 512 tokens 1,577-1,620 -> 1,702-1,768 tok/s, of 8
+///   prompts of 64 at once 1,853-1,922 -> 2,059-2,074; Q4_K_M 512 tokens 1,682-1,725 ->
+///   1,758-1,837; decode unchanged within the noise.
+fn quiet_candle_pool() {
     const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-    if convert && std::env::var_os(VAR).is_none() {
+    if std::env::var_os(VAR).is_none() {
         std::env::set_var(VAR, "0");
     }
 }
@@ -80,7 +82,7 @@ fn main() {
     };
     let convert = matches!(cli.command, Command::Convert(_));
     keep_freed_memory(convert);
-    quiet_candle_pool(convert);
+    quiet_candle_pool();
     pin_thread_count();
     std::panic::set_hook(Box::new(|info| {
         eprintln!(
