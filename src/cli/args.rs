@@ -92,7 +92,8 @@ pub struct HealArgs {
     #[arg(long, value_name = "LR", requires = "heal")]
     pub heal_lr: Option<f64>,
     /// Tokens of text the original model writes itself (batched sampling from varied short
-    /// prompts, through its chat template) for --heal without --calibration.
+    /// prompts: questions through its chat template, and openings of articles, stories,
+    /// letters, poems and dialogues) for --heal without --calibration.
     #[arg(long, value_name = "N", default_value_t = tiny_decoder::convert::heal::TOKENS, requires = "heal")]
     pub heal_tokens: usize,
 }

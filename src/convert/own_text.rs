@@ -1,7 +1,10 @@
 //! The calibration text a model writes itself, for `--heal` without `--calibration`: the
-//! original model samples continuations of varied short prompts in batches (through its
-//! chat template when it has one), so healing fits the converted model on what the
-//! original actually says, in its own domain, with no corpus to ship.
+//! original model samples continuations of varied short prompts in batches, so healing fits
+//! the converted model on what the original actually says, with no corpus to ship. Half the
+//! prompts ask through the chat template (when the model has one), half are the openings of
+//! texts of other kinds (an article, a story, a letter, a poem, a dialogue) for the model to
+//! go on as it was pretrained to: healed on chat answers alone, a model lost as much again on
+//! a play as on prose (SmolLM2 `mla:64`, docs/conversion.md).
 
 use crate::chat::{ChatTemplate, Message};
 use crate::error::{Error, Result};
@@ -54,20 +57,43 @@ const ASKS: &[&str] = &[
     "Write an essay on {}.",
 ];
 
+/// Openings of texts of other kinds, for the model to continue without a template (`{}`: the
+/// topic, `{T}`: the topic capitalised).
+const OPENINGS: &[&str] = &[
+    "{T}\n\n{T} is",
+    "Chapter One\n\nNobody in the village had ever thought much about {}, until",
+    "Dear Margaret,\n\nI promised to write to you about {}, so here it is.",
+    "A poem on {}\n\n",
+    "A conversation about {}.\n\nANNA: I have never understood {}.\nTOM:",
+];
+
+/// A prompt: a question through the chat template, or the opening of a text.
+#[derive(Debug, PartialEq)]
+enum Prompt {
+    Chat(String),
+    Opening(String),
+}
+
 /// Sequences sampled together.
 const BATCH: usize = 16;
 /// New tokens per sequence at most (a window and a bit, so most windows are one answer).
 const NEW_TOKENS: usize = 288;
 
-/// The i-th prompt: topic and ask pairs in an order that varies both.
-fn prompt(i: usize) -> (String, String) {
-    let topic = TOPICS[i % TOPICS.len()];
-    let ask = ASKS[(i / TOPICS.len() + i) % ASKS.len()];
-    let mut opening = topic.to_string();
-    if let Some(first) = opening.get_mut(0..1) {
+/// The i-th prompt: with `chat`, questions and openings by turns, else openings only; each
+/// kind goes through topic and ask (or opening) pairs in an order that varies both.
+fn prompt(i: usize, chat: bool) -> Prompt {
+    let n = if chat { i / 2 } else { i };
+    let topic = TOPICS[n % TOPICS.len()];
+    let round = n / TOPICS.len() + n;
+    if chat && i.is_multiple_of(2) {
+        return Prompt::Chat(ASKS[round % ASKS.len()].replace("{}", topic));
+    }
+    let mut capital = topic.to_string();
+    if let Some(first) = capital.get_mut(0..1) {
         first.make_ascii_uppercase();
     }
-    (ask.replace("{}", topic), opening)
+    let opening = OPENINGS[round % OPENINGS.len()];
+    Prompt::Opening(opening.replace("{T}", &capital).replace("{}", topic))
 }
 
 /// About `tokens` tokens (at least) of text `loaded` writes from its prompts, with each
@@ -88,18 +114,15 @@ pub fn write(
     let mut next = 0;
     while out.len() < tokens {
         let prompts = (next..next + BATCH)
-            .map(|i| {
-                let (ask, opening) = prompt(i);
-                match &template {
-                    Some(t) => {
-                        let m = [Message {
-                            role: "user".into(),
-                            content: ask,
-                        }];
-                        tokenizer.encode_plain(&t.render(&m, true)?)
-                    }
-                    None => tokenizer.encode(&opening),
+            .map(|i| match (prompt(i, template.is_some()), &template) {
+                (Prompt::Chat(ask), Some(t)) => {
+                    let m = [Message {
+                        role: "user".into(),
+                        content: ask,
+                    }];
+                    tokenizer.encode_plain(&t.render(&m, true)?)
                 }
+                (Prompt::Chat(text) | Prompt::Opening(text), _) => tokenizer.encode(&text),
             })
             .collect::<Result<Vec<_>>>()?;
         // One pool for the batch, as the server's: off the CPU its single new tokens then
@@ -151,11 +174,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prompts_vary_topic_and_ask() {
-        let firsts: std::collections::HashSet<String> = (0..TOPICS.len() * ASKS.len())
-            .map(|i| prompt(i).0)
+    fn prompts_vary_topic_and_kind() {
+        let n = 2 * TOPICS.len() * ASKS.len() * OPENINGS.len();
+        let chats: std::collections::HashSet<String> = (0..n)
+            .filter_map(|i| match prompt(i, true) {
+                Prompt::Chat(ask) => Some(ask),
+                Prompt::Opening(_) => None,
+            })
             .collect();
-        assert_eq!(firsts.len(), TOPICS.len() * ASKS.len());
-        assert_eq!(prompt(1).1, "How volcanoes form");
+        assert_eq!(chats.len(), TOPICS.len() * ASKS.len());
+        let openings: std::collections::HashSet<String> = (0..n)
+            .filter_map(|i| match prompt(i, true) {
+                Prompt::Opening(text) => Some(text),
+                Prompt::Chat(_) => None,
+            })
+            .collect();
+        assert_eq!(openings.len(), TOPICS.len() * OPENINGS.len());
+        assert_eq!(
+            prompt(1, true),
+            Prompt::Opening(
+                "The history of the printing press\n\nThe history of the printing press is".into()
+            )
+        );
+        // Without a template every prompt is an opening.
+        assert!((0..n).all(|i| matches!(prompt(i, false), Prompt::Opening(_))));
     }
 }
