@@ -6,7 +6,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::process::Command;
 use tiny_decoder::model::attention::decode;
-use tiny_decoder::model::linear::simd::{Isa, IsaKind, ISA_VAR};
+use tiny_decoder::model::linear::simd::{self, Isa, IsaKind, ISA_VAR};
 use tiny_decoder::model::linear::{route, Blocks, Linear, Quantizer, Route};
 
 /// The child's stdout and stderr, run with `TINY_DECODER_ISA=value`; panics if it failed.
@@ -65,12 +65,31 @@ fn avx2_takes_rows_and_the_decode_op() {
         return; // covered by the fallback test below
     }
     let (out, err) = child("avx2");
-    assert!(out.contains("isa=Avx2"), "{out}");
+    assert!(
+        out.contains("isa=Avx2") && out.contains("avx-vnni=false"),
+        "{out}"
+    );
     assert!(
         out.contains("1 rows: Kernel") && out.contains("4 rows: Kernel"),
         "{out}"
     );
     assert!(out.contains("decode op: true"), "{out}");
+    assert!(out.contains("blocks: 10 formats"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+}
+
+/// `avxvnni`: the AVX2 set, with AVX-VNNI's dot products in the block formats' tiles (which
+/// the child's `blocks` check runs).
+#[test]
+fn avxvnni_is_avx2_with_its_dot_products() {
+    if Isa::from_name("avxvnni").is_err() {
+        return; // covered by the fallback test below
+    }
+    let (out, err) = child("avxvnni");
+    assert!(
+        out.contains("isa=Avx2") && out.contains("avx-vnni=true"),
+        "{out}"
+    );
     assert!(out.contains("blocks: 10 formats"), "{out}");
     assert!(warnings(&err).is_empty(), "{err}");
 }
@@ -93,7 +112,7 @@ fn neon_takes_rows_and_the_decode_op() {
 #[test]
 fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
     let best = format!("isa={:?}", Isa::detect().kind());
-    for value in ["avx512", "avx2", "neon"] {
+    for value in ["avx512", "avxvnni", "avx2", "neon"] {
         let (out, err) = child(value);
         let kind = Isa::from_name(value).map(|isa| isa.kind());
         match kind {
@@ -115,7 +134,7 @@ fn an_unknown_name_warns_once_and_falls_back() {
         "{out}"
     );
     let want = format!(
-        "warning: {ISA_VAR}=\"sse9\" is not one of avx512, avx2, neon, scalar; using {}",
+        "warning: {ISA_VAR}=\"sse9\" is not one of avx512, avxvnni, avx2, neon, scalar; using {}",
         detected()
     );
     assert_eq!(warnings(&err), [want.as_str()]);
@@ -207,5 +226,6 @@ fn child_reports_its_isa() -> candle_core::Result<()> {
     // Asked again: decided once, said at most once.
     assert_eq!(Isa::current(), Isa::current());
     println!("isa={:?}", Isa::current().kind());
+    println!("avx-vnni={}", simd::avx_vnni());
     Ok(())
 }

@@ -93,7 +93,17 @@ fn isa_names_are_checked_against_the_cpu() {
     let e = Isa::from_name("sse9").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avx2, neon, scalar"
+        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avxvnni, avx2, neon, scalar"
+    );
+    // `avxvnni` is the AVX2 set, on a CPU with AVX-VNNI.
+    match Isa::from_name("avxvnni") {
+        Ok(isa) => assert_eq!(isa.kind(), IsaKind::Avx2),
+        Err(e) => assert_eq!(e, IsaError::Unsupported("avxvnni".into())),
+    }
+    #[cfg(target_arch = "x86_64")]
+    assert_eq!(
+        Isa::from_name("avxvnni").is_ok(),
+        cpu_has(IsaKind::Avx2) && std::arch::is_x86_feature_detected!("avxvnni")
     );
 }
 

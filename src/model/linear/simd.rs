@@ -19,7 +19,8 @@
 //! in `arm`.
 
 /// The environment variable that forces a lower instruction set than the CPU's best:
-/// `avx512`, `avx2`, `neon` or `scalar`.
+/// `avx512`, `avxvnni`, `avx2`, `neon` or `scalar` (`avxvnni`: AVX2 with AVX-VNNI's integer
+/// dot products, [`avx_vnni`]; `avx2`: AVX2's own instructions only).
 pub const ISA_VAR: &str = "TINY_DECODER_ISA";
 
 /// The instruction sets there are kernels for, weakest first (NEON, on aarch64 only, is
@@ -46,7 +47,7 @@ pub struct Isa(IsaKind);
 /// Why [`ISA_VAR`] could not be followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ISA_VAR}={0:?} is not one of avx512, avx2, neon, scalar")]
+    #[error("{ISA_VAR}={0:?} is not one of avx512, avxvnni, avx2, neon, scalar")]
     Unknown(String),
     #[error("{ISA_VAR}={0}: this CPU does not support it")]
     Unsupported(String),
@@ -89,11 +90,13 @@ impl Isa {
         .collect()
     }
 
-    /// The set named `name` (`avx512`, `avx2`, `neon` or `scalar`), if this CPU supports it.
+    /// The set named `name` (`avx512`, `avxvnni`, `avx2`, `neon` or `scalar`), if this CPU
+    /// supports it (`avxvnni` is the AVX2 set, on a CPU with AVX-VNNI: [`avx_vnni`]).
     pub fn from_name(name: &str) -> Result<Isa, IsaError> {
         let kind = match name.trim().to_ascii_lowercase().as_str() {
             "avx512" => IsaKind::Avx512,
-            "avx2" => IsaKind::Avx2,
+            "avxvnni" if !cpu_has_avx_vnni() => return Err(IsaError::Unsupported(name.into())),
+            "avx2" | "avxvnni" => IsaKind::Avx2,
             "neon" => IsaKind::Neon,
             "scalar" => IsaKind::Scalar,
             _ => return Err(IsaError::Unknown(name.into())),
@@ -116,6 +119,26 @@ impl Isa {
             _ => Isa::detect(),
         })
     }
+}
+
+/// Whether the 256-bit integer kernels (the block formats' packed tiles) use AVX-VNNI's
+/// `vpdpbusd` (VEX-encoded: Intel since Alder Lake, AMD since Zen 5) in place of AVX2's
+/// `maddubs` + `madd`: where the kernels run at the AVX2 level ([`Isa::current`]) on a CPU
+/// with AVX-VNNI, unless [`ISA_VAR`] is `avx2`. (With AVX-512 VNNI the AVX-512 set's tiles
+/// use its own encoding of the same instruction.)
+pub fn avx_vnni() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let plain = std::env::var(ISA_VAR).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx2"));
+        Isa::current().kind() == IsaKind::Avx2 && !plain && cpu_has_avx_vnni()
+    })
+}
+
+fn cpu_has_avx_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return cpu_has(IsaKind::Avx2) && is_x86_feature_detected!("avxvnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether this CPU, and the OS (which must save the wider registers), run `kind`.

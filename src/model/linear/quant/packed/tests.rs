@@ -45,8 +45,7 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 /// `x · qᵀ` by `product`, and on x86 by each set of the packed kernel's tiles this CPU runs
-/// (AVX2's, and VNNI's 8-row and 16-row ones where it has AVX-512 VNNI), whatever `product`
-/// chose.
+/// (AVX2's; AVX-512 VNNI's 8-row and 16-row ones; AVX-VNNI's), whatever `product` chose.
 fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
     let m = x.len() / q.cols;
     let mut y = vec![f32::NAN; m * q.rows];
@@ -55,26 +54,29 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
     let mut out = vec![("product", y)];
     #[cfg(target_arch = "x86_64")]
     {
+        use super::x86::{EVEX, MADD, VEX};
         use crate::model::linear::simd::{Isa, IsaKind};
         let vnni = Isa::detect().kind() == IsaKind::Avx512 && super::super::tile::vnni::available();
+        let avx_vnni = Isa::detect().has_avx2() && std::arch::is_x86_feature_detected!("avxvnni");
         let sets = [
-            ("avx2 tiles", false, false),
-            ("vnni tiles", true, false),
-            ("vnni pairs", true, true),
+            ("avx2 tiles", MADD, false, Isa::detect().has_avx2()),
+            ("vnni tiles", EVEX, false, vnni),
+            ("vnni pairs", EVEX, true, vnni),
+            ("avx-vnni tiles", VEX, false, avx_vnni),
         ];
-        for (name, with_vnni, pairs) in sets {
+        for (name, dot, pairs, runs) in sets {
             // No K-quant has a 16-row tile: that set would rerun the 8-row ones.
             let rerun = pairs && matches!(q.format, Format::Q4K | Format::Q6K);
-            if !Isa::detect().has_avx2() || (with_vnni && !vnni) || rerun {
+            if !runs || rerun {
                 continue;
             }
             let xq = QRows::quantize_for(q.format, x, q.cols);
             let mut y = vec![f32::NAN; m * q.rows];
             let groups = (0, q.rows.div_ceil(super::ROWS));
-            let tiles = super::x86::tiles(q.format, with_vnni, pairs);
-            // SAFETY: the CPU has AVX2 (and AVX-512 VNNI where asked); q is packed and its
-            // planes fit (the constructors and `repacked`); xq holds m rows of its width; y
-            // is m × rows.
+            let tiles = super::x86::tiles(q.format, dot, pairs);
+            // SAFETY: the CPU has AVX2 (and the VNNI of `dot` where asked); q is packed and
+            // its planes fit (the constructors and `repacked`); xq holds m rows of its width;
+            // y is m × rows.
             unsafe { super::x86::rows_with(&tiles, q, groups, &xq, y.as_mut_ptr()) };
             out.push((name, y));
         }

@@ -9,12 +9,12 @@ use super::super::{Format, QRows, QWeight};
 use super::ROWS;
 use std::arch::x86_64::*;
 
-/// A tile's two forms from one body: `tile` with AVX2's instructions and `tile_vnni` with
-/// AVX-512 VNNI's (Zen 4 and 5, Ice Lake and later), each `$body::<.., V>` (`V`: VNNI)
+/// A tile's three forms from one body: `tile` with AVX2's instructions, `tile_vnni` with
+/// AVX-512 VNNI's (Zen 4 and 5, Ice Lake and later) and `tile_avx_vnni` with AVX-VNNI's
+/// (Alder Lake and later, Zen 5), each `$body::<.., V>` ([`MADD`], [`EVEX`], [`VEX`])
 /// inlined into it. The body is `#[inline(always)]` with no target features of its own, so
-/// its intrinsics are compiled with each wrapper's; it says what its VNNI form does.
-/// (VEX-encoded AVX-VNNI, Alder Lake, would run the same bodies: not wired yet.)
-macro_rules! two_forms {
+/// its intrinsics are compiled with each wrapper's; it says what its VNNI forms do.
+macro_rules! three_forms {
     ($vis:vis $body:ident<$(const $g:ident: $t:ty),*>) => {
         /// The tile with AVX2's instructions (what it does: its body's doc).
         ///
@@ -30,7 +30,7 @@ macro_rules! two_forms {
             y: *mut f32,
         ) {
             // SAFETY: the caller's.
-            unsafe { $body::<$($g,)* false>(w, g, x, i0, y) }
+            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::MADD }>(w, g, x, i0, y) }
         }
 
         /// [`tile`] with AVX-512 VNNI's `vpdpbusd`.
@@ -46,9 +46,48 @@ macro_rules! two_forms {
             y: *mut f32,
         ) {
             // SAFETY: the caller's.
-            unsafe { $body::<$($g,)* true>(w, g, x, i0, y) }
+            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::EVEX }>(w, g, x, i0, y) }
+        }
+
+        /// [`tile`] with AVX-VNNI's `vpdpbusd`.
+        ///
+        /// # Safety
+        /// As [`tile`], and the CPU has AVX-VNNI (`simd::avx_vnni`).
+        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+        $vis unsafe fn tile_avx_vnni<$(const $g: $t),*>(
+            w: &QWeight,
+            g: usize,
+            x: &QRows,
+            i0: usize,
+            y: *mut f32,
+        ) {
+            // SAFETY: the caller's.
+            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::VEX }>(w, g, x, i0, y) }
         }
     };
+}
+
+/// How a 256-bit tile multiplies bytes (its body's `V`): AVX2's `maddubs` + `madd`, or one
+/// `vpdpbusd` in AVX-512 VNNI's encoding (EVEX) or AVX-VNNI's (VEX).
+pub(super) const MADD: u8 = 0;
+pub(super) const EVEX: u8 = 1;
+pub(super) const VEX: u8 = 2;
+
+/// `acc + a · b` by `vpdpbusd` (unsigned bytes of a times signed bytes of b, summed by four
+/// into each 32-bit lane) in the encoding `V` names.
+///
+/// # Safety
+/// The CPU has AVX-512 VNNI and VL where `V` is [`EVEX`], AVX-VNNI where [`VEX`]; never
+/// called with [`MADD`]. Inlined into a tile of that form, it is one instruction.
+#[inline(always)]
+pub(super) unsafe fn dpbusd<const V: u8>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe {
+        match V {
+            VEX => _mm256_dpbusd_avx_epi32(acc, a, b),
+            _ => _mm256_dpbusd_epi32(acc, a, b),
+        }
+    }
 }
 
 pub(super) const Q8_0: u8 = 0;
@@ -66,8 +105,9 @@ const RX: usize = 4;
 /// is compiled for its own instruction set.
 pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
 
-/// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x: on
-/// AVX-512 CPUs with VNNI the 32-weight formats' tiles are `blocks::tile_vnni`'s.
+/// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x, by the
+/// tiles of the best form this CPU runs ([`EVEX`] on AVX-512 CPUs with VNNI, with the 32-weight
+/// formats' 16-row tiles; [`VEX`] with AVX-VNNI; else [`MADD`]).
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `w` is packed and its blocks match its shape (`QWeight::product`
@@ -75,9 +115,13 @@ pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y:
 /// writes at `i · w.rows + r` for i < M and `8 · g0 <= r < min(8 · g1, w.rows)`, which
 /// nothing else touches meanwhile.
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
-    let vnni = super::super::vnni();
+    let dot = match (super::super::vnni(), crate::model::linear::simd::avx_vnni()) {
+        (true, _) => EVEX,
+        (_, true) => VEX,
+        _ => MADD,
+    };
     // SAFETY: the caller's; `tiles` chose for this CPU.
-    unsafe { rows_with(&tiles(w.format, vnni, vnni), w, groups, x, y) }
+    unsafe { rows_with(&tiles(w.format, dot, dot == EVEX), w, groups, x, y) }
 }
 
 /// A format's tiles: for `RX` rows of x and for one, of a group of 8 rows, and where the
@@ -130,29 +174,26 @@ pub(super) unsafe fn rows_with(
     }
 }
 
-/// The tiles for `format`: with VNNI's for the 32-weight formats where `vnni`, and their
-/// 16-row ones where `pairs` too.
-pub(super) fn tiles(format: Format, vnni: bool, pairs: bool) -> Tiles {
-    let (rx, one): (Tile, Tile) = match format {
-        Format::Q4K if vnni => (
-            super::q4k::x86::tile_vnni::<RX>,
-            super::q4k::x86::tile_vnni::<1>,
-        ),
-        Format::Q4K => (super::q4k::x86::tile::<RX>, super::q4k::x86::tile::<1>),
-        Format::Q6K if vnni => (
-            super::q6k::x86::tile_vnni::<RX>,
-            super::q6k::x86::tile_vnni::<1>,
-        ),
-        Format::Q6K => (super::q6k::x86::tile::<RX>, super::q6k::x86::tile::<1>),
-        Format::Q8_0 => pick::<Q8_0>(vnni),
-        Format::Q4_0 => pick::<Q4_0>(vnni),
-        Format::Q4_1 => pick::<Q4_1>(vnni),
-        Format::Q5_0 => pick::<Q5_0>(vnni),
-        Format::Q5_1 => pick::<Q5_1>(vnni),
+/// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 32-weight
+/// formats' 16-row ones where `pairs` (with [`EVEX`] only).
+pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
+    use super::{q4k::x86 as q4k, q6k::x86 as q6k};
+    let (rx, one): (Tile, Tile) = match (format, dot) {
+        (Format::Q4K, EVEX) => (q4k::tile_vnni::<RX>, q4k::tile_vnni::<1>),
+        (Format::Q4K, VEX) => (q4k::tile_avx_vnni::<RX>, q4k::tile_avx_vnni::<1>),
+        (Format::Q4K, _) => (q4k::tile::<RX>, q4k::tile::<1>),
+        (Format::Q6K, EVEX) => (q6k::tile_vnni::<RX>, q6k::tile_vnni::<1>),
+        (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX>, q6k::tile_avx_vnni::<1>),
+        (Format::Q6K, _) => (q6k::tile::<RX>, q6k::tile::<1>),
+        (Format::Q8_0, _) => pick::<Q8_0>(dot),
+        (Format::Q4_0, _) => pick::<Q4_0>(dot),
+        (Format::Q4_1, _) => pick::<Q4_1>(dot),
+        (Format::Q5_0, _) => pick::<Q5_0>(dot),
+        (Format::Q5_1, _) => pick::<Q5_1>(dot),
         _ => unreachable!("{format:?} is never packed"),
     };
     let pair = match format {
-        _ if !(vnni && pairs) => None,
+        _ if !(dot == EVEX && pairs) => None,
         Format::Q8_0 => Some(pair::<Q8_0>()),
         Format::Q4_0 => Some(pair::<Q4_0>()),
         Format::Q4_1 => Some(pair::<Q4_1>()),
@@ -168,11 +209,15 @@ fn pair<const F: u8>() -> (Tile, Tile) {
     (super::avx512::tile::<F, RX>, super::avx512::tile::<F, 1>)
 }
 
-/// A 32-weight format's tiles: VNNI's or AVX2's.
-fn pick<const F: u8>(vnni: bool) -> (Tile, Tile) {
-    match vnni {
-        true => (blocks::tile_vnni::<F, RX>, blocks::tile_vnni::<F, 1>),
-        false => (blocks::tile::<F, RX>, blocks::tile::<F, 1>),
+/// A 32-weight format's tiles in form `dot`.
+fn pick<const F: u8>(dot: u8) -> (Tile, Tile) {
+    match dot {
+        EVEX => (blocks::tile_vnni::<F, RX>, blocks::tile_vnni::<F, 1>),
+        VEX => (
+            blocks::tile_avx_vnni::<F, RX>,
+            blocks::tile_avx_vnni::<F, 1>,
+        ),
+        _ => (blocks::tile::<F, RX>, blocks::tile::<F, 1>),
     }
 }
 

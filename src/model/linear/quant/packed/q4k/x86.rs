@@ -1,14 +1,14 @@
-//! [`super`]'s kernel on AVX2 and AVX-512 VNNI: the packed kernel's tile (`packed/x86.rs`)
+//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile (`packed/x86.rs`)
 //! for Q4_K.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::x86::{bcast, half8, store, x_rows};
+use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
 use super::GROUP_BYTES;
 use std::arch::x86_64::*;
 
-two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
+three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 
 /// The packed kernel's tile for Q4_K: per pair of sub-blocks, 8 loads of nibbles whose low
 /// halves are the first sub-block and high halves the second, each summed in 16 bits by
@@ -21,17 +21,17 @@ two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 /// With VNNI (`V`) each sub-block's products are summed straight into 32-bit lanes by
 /// `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960), then multiplied by
 /// the rows' 6-bit scale (`vpmulld`), in place of `maddubs`, a 16-bit add per load and the
-/// `madd` by the scales. The body of `tile` and `tile_vnni` (`two_forms!`).
+/// `madd` by the scales. The body of `tile`, `tile_vnni` and `tile_avx_vnni` (`three_forms!`).
 ///
 /// # Safety
-/// The CPU runs AVX2, FMA and F16C, and AVX-512 VNNI where `V`; `w` is packed Q4_K and its
+/// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q4_K and its
 /// planes fit its shape (`Superblocks::fits`); group `g` and rows `i0..i0 + R` of x (of
 /// `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile_in<const R: usize, const V: bool>(
+unsafe fn tile_in<const R: usize, const V: u8>(
     w: &QWeight,
     g: usize,
     x: &QRows,
@@ -39,7 +39,7 @@ unsafe fn tile_in<const R: usize, const V: bool>(
     y: *mut f32,
 ) {
     // The intrinsics are unsafe calls here (this body has no target features of its own):
-    // it is only ever inlined into `tile` and `tile_vnni`, whose CPUs run them.
+    // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
     let low = _mm256_set1_epi8(0x0F);
@@ -87,11 +87,11 @@ unsafe fn tile_in<const R: usize, const V: bool>(
                             bcast(xs[j].add(64 * p + 32 + 4 * v)),
                         )
                     };
-                    if V {
-                        // SAFETY: the CPU has AVX-512 VNNI where V (`tile_vnni`).
+                    if V != MADD {
+                        // SAFETY: the CPU has the VNNI that V names (`tile_vnni`, `tile_avx_vnni`).
                         unsafe {
-                            s_lo[j] = _mm256_dpbusd_epi32(s_lo[j], lo, xl);
-                            s_hi[j] = _mm256_dpbusd_epi32(s_hi[j], hi, xh);
+                            s_lo[j] = dpbusd::<V>(s_lo[j], lo, xl);
+                            s_hi[j] = dpbusd::<V>(s_hi[j], hi, xh);
                         }
                     } else {
                         s_lo[j] = _mm256_add_epi16(s_lo[j], _mm256_maddubs_epi16(lo, xl));
@@ -120,7 +120,7 @@ unsafe fn tile_in<const R: usize, const V: bool>(
                 _mm256_srli_epi32(sc, 16),
             );
             for j in 0..R {
-                let both = match V {
+                let both = match V != MADD {
                     true => _mm256_add_epi32(
                         _mm256_mullo_epi32(s_lo[j], sc0),
                         _mm256_mullo_epi32(s_hi[j], sc1),

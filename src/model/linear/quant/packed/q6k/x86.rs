@@ -1,9 +1,9 @@
-//! [`super`]'s kernel on AVX2 and AVX-512 VNNI: the packed kernel's tile (`packed/x86.rs`)
+//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile (`packed/x86.rs`)
 //! for Q6_K.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::x86::{bcast, half8, store, x_rows};
+use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
 use super::{highs_at, nibbles_at, scales_at, GROUP_BYTES};
 use std::arch::x86_64::*;
@@ -29,7 +29,7 @@ const fn masks(a: i8, b: i8) -> [i8; 32] {
     m
 }
 
-two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
+three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 
 /// The packed kernel's tile for Q6_K: per pair of 32-weight chunks, two nibble loads and
 /// one load of high bits make the 6-bit quants of 4 weights of each chunk twice over (the
@@ -41,18 +41,18 @@ two_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 ///
 /// With VNNI (`V`) a chunk's two loads of products are summed straight into 32-bit lanes
 /// by `vpdpbusd`, then multiplied by the rows' 8-bit scale (`vpmulld`), in place of two
-/// `maddubs`, a 16-bit add and the `madd` by the scales. The body of `tile` and `tile_vnni`
-/// (`two_forms!`).
+/// `maddubs`, a 16-bit add and the `madd` by the scales. The body of `tile`, `tile_vnni` and
+/// `tile_avx_vnni` (`three_forms!`).
 ///
 /// # Safety
-/// The CPU runs AVX2, FMA and F16C, and AVX-512 VNNI where `V`; `w` is packed Q6_K and its
+/// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q6_K and its
 /// planes fit its shape (`Superblocks::fits`); group `g` and rows `i0..i0 + R` of x (of
 /// `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile_in<const R: usize, const V: bool>(
+unsafe fn tile_in<const R: usize, const V: u8>(
     w: &QWeight,
     g: usize,
     x: &QRows,
@@ -60,7 +60,7 @@ unsafe fn tile_in<const R: usize, const V: bool>(
     y: *mut f32,
 ) {
     // The intrinsics are unsafe calls here (this body has no target features of its own):
-    // it is only ever inlined into `tile` and `tile_vnni`, whose CPUs run them.
+    // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     let (low, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     // SAFETY: 32 bytes each.
@@ -135,12 +135,12 @@ unsafe fn tile_in<const R: usize, const V: bool>(
                             bcast(xs[j].add(at + 36)),
                         )
                     };
-                    let sum = if V {
+                    let sum = if V != MADD {
                         // 32-bit sums of 8 products (at most 8 · 63 · 127) times the scale
                         // (the high half of each lane of `sc`, sign-extended).
                         let zero = _mm256_setzero_si256();
-                        let t_lo = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo0, x0), lo1, x1);
-                        let t_hi = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, hi0, x2), hi1, x3);
+                        let t_lo = dpbusd::<V>(dpbusd::<V>(zero, lo0, x0), lo1, x1);
+                        let t_hi = dpbusd::<V>(dpbusd::<V>(zero, hi0, x2), hi1, x3);
                         _mm256_add_epi32(
                             _mm256_mullo_epi32(t_lo, _mm256_srai_epi32(s_lo, 16)),
                             _mm256_mullo_epi32(t_hi, _mm256_srai_epi32(s_hi, 16)),

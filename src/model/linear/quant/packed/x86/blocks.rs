@@ -14,24 +14,24 @@
 
 use super::super::super::{QRows, QWeight, BLOCK};
 use super::super::ROWS;
-use super::{bcast, half8, store, x_rows, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use super::{bcast, dpbusd, half8, store, x_rows, MADD, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use std::arch::x86_64::*;
 
-two_forms!(pub(super) tile_in<const F: u8, const R: usize>);
+three_forms!(pub(super) tile_in<const F: u8, const R: usize>);
 
-/// Group `g` against rows `i0..i0 + R` of x, written to `y`: the body of `tile` (`V` false)
-/// and `tile_vnni` (`V` true). With VNNI each 4-byte product and its sums are one
+/// Group `g` against rows `i0..i0 + R` of x, written to `y`: the body of `tile` (`V` is
+/// `MADD`), `tile_vnni` and `tile_avx_vnni`. With VNNI each 4-byte product and its sums are one
 /// `vpdpbusd` (unsigned quants times x's signed bytes, summed by four into the 8 rows'
 /// 32-bit lanes), so the nibble formats need no 16-bit stage (nor Q5's flush every second
 /// load) and Q8_0's sign trick ends in one instruction instead of `maddubs` + `madd` + add.
 /// `tile_vnni` takes a group alone (an odd one out of the pairs `avx512`'s tile takes).
 ///
 /// # Safety
-/// As `tile`, and `tile_vnni`'s where `V`.
+/// As `tile`, and `tile_vnni`'s or `tile_avx_vnni`'s for their `V`.
 // The tile's loops index the accumulators and x's rows together.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
+unsafe fn tile_in<const F: u8, const R: usize, const V: u8>(
     w: &QWeight,
     g: usize,
     x: &QRows,
@@ -49,8 +49,8 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
             w.scales.as_ptr().add(first),
         )
     };
-    // SAFETY (every intrinsic below): the caller's CPU runs AVX2, FMA and F16C, and
-    // AVX-512 VNNI where V.
+    // SAFETY (every intrinsic below): the caller's CPU runs AVX2, FMA and F16C, and the
+    // VNNI of its V.
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let (low, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
@@ -82,11 +82,11 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
                     for j in 0..R {
                         let s = _mm256_sign_epi8(bcast(xs[j].add(4 * v)), wv);
                         sums[j] = match V {
-                            true => _mm256_dpbusd_epi32(sums[j], a, s),
-                            false => {
+                            MADD => {
                                 let pairs = _mm256_maddubs_epi16(a, s);
                                 _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, ones))
                             }
+                            _ => dpbusd::<V>(sums[j], a, s),
                         };
                     }
                 }
@@ -106,9 +106,9 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
                     }
                     for j in 0..R {
                         let (xl, xh) = (bcast(xs[j].add(4 * v)), bcast(xs[j].add(16 + 4 * v)));
-                        if V {
-                            sums[j] = _mm256_dpbusd_epi32(sums[j], lo, xl);
-                            sums[j] = _mm256_dpbusd_epi32(sums[j], hi, xh);
+                        if V != MADD {
+                            sums[j] = dpbusd::<V>(sums[j], lo, xl);
+                            sums[j] = dpbusd::<V>(sums[j], hi, xh);
                         } else {
                             let both = _mm256_add_epi16(
                                 _mm256_maddubs_epi16(lo, xl),
@@ -119,7 +119,7 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
                     }
                     // AVX2, 5-bit quants: two loads' products at most in 16 bits
                     // (2 · 4 · 31 · 127).
-                    if !V && matches!(F, Q5_0 | Q5_1) && v % 2 == 1 {
+                    if V == MADD && matches!(F, Q5_0 | Q5_1) && v % 2 == 1 {
                         for j in 0..R {
                             let pairs = _mm256_madd_epi16(s16[j], ones);
                             sums[j] = _mm256_add_epi32(sums[j], pairs);
@@ -127,7 +127,7 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: bool>(
                         }
                     }
                 }
-                if !V && !matches!(F, Q5_0 | Q5_1) {
+                if V == MADD && !matches!(F, Q5_0 | Q5_1) {
                     for j in 0..R {
                         sums[j] = _mm256_madd_epi16(s16[j], ones);
                     }
