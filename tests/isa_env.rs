@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use std::process::Command;
 use tiny_decoder::model::attention::decode;
 use tiny_decoder::model::linear::simd::{self, Isa, IsaKind, ISA_VAR};
-use tiny_decoder::model::linear::{route, Blocks, Linear, Quantizer, Route};
+use tiny_decoder::model::linear::{quant, route, Blocks, Linear, Quantizer, Route};
 
 /// The child's stdout and stderr, run with `TINY_DECODER_ISA=value`; panics if it failed.
 fn child(value: &str) -> (String, String) {
@@ -69,6 +69,7 @@ fn avx2_takes_rows_and_the_decode_op() {
         out.contains("isa=Avx2") && out.contains("avx-vnni=false"),
         "{out}"
     );
+    assert!(out.contains("packed products: avx2"), "{out}");
     assert!(
         out.contains("1 rows: Kernel") && out.contains("4 rows: Kernel"),
         "{out}"
@@ -90,6 +91,7 @@ fn avxvnni_is_avx2_with_its_dot_products() {
         out.contains("isa=Avx2") && out.contains("avx-vnni=true"),
         "{out}"
     );
+    assert!(out.contains("packed products: avx-vnni"), "{out}");
     assert!(out.contains("blocks: 10 formats"), "{out}");
     assert!(warnings(&err).is_empty(), "{err}");
 }
@@ -116,7 +118,12 @@ fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
         let (out, err) = child(value);
         let kind = Isa::from_name(value).map(|isa| isa.kind());
         match kind {
-            Ok(kind) => assert!(out.contains(&format!("isa={kind:?}")), "{out}"),
+            Ok(kind) => {
+                assert!(out.contains(&format!("isa={kind:?}")), "{out}");
+                // AVX-VNNI's tiles only at the AVX2 level, and only where asked for by name.
+                let vex = value == "avxvnni";
+                assert!(out.contains(&format!("avx-vnni={vex}")), "{value}: {out}");
+            }
             Err(e) => {
                 assert!(out.contains(&best), "{value}: {out}");
                 let want = format!("warning: {e}; using {}", detected());
@@ -227,5 +234,6 @@ fn child_reports_its_isa() -> candle_core::Result<()> {
     assert_eq!(Isa::current(), Isa::current());
     println!("isa={:?}", Isa::current().kind());
     println!("avx-vnni={}", simd::avx_vnni());
+    println!("packed products: {}", quant::packed_products());
     Ok(())
 }

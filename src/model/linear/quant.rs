@@ -385,6 +385,12 @@ pub fn vnni() -> bool {
     false
 }
 
+/// How the packed tiles multiply bytes on this CPU: `avx512-vnni`, `avx-vnni` or `avx2`;
+/// `none` where no weight is packed (off x86, or below AVX2).
+pub fn packed_products() -> &'static str {
+    packed::products()
+}
+
 /// `y`'s base pointer, shared by chunks that write disjoint columns.
 struct Out(*mut f32);
 // SAFETY: chunks write disjoint places of y; `Pool::run` returns after all have finished.

@@ -20,10 +20,11 @@
 //! A weight whose rows are not a multiple of 8 is padded with rows of zeros, never written
 //! out. x86 CPUs pack ([`wanted`]); the kernel is AVX2's (`x86`), and where the CPU has
 //! AVX-512 VNNI every tile takes a VNNI form, and the 32-weight formats a 16-row one of two
-//! groups side by side too (`avx512`). On Zen 5 (2 threads, `probe_packed`) the packed
-//! kernel on AVX2's tiles alone already ran 1.5-2× the row layout's VNNI tile at 64-512
-//! rows of x and 2-5× at 1-8 rows, except Q6_K from 128 rows (160-193 against 195-224
-//! GMAC/s; 194-246 in its VNNI form). ARM keeps its `sdot` rows.
+//! groups side by side too (`avx512`); with AVX-VNNI (and no AVX-512), its VEX form. On
+//! Zen 5 (2 threads, `probe_packed`) the packed kernel on AVX2's tiles alone already ran
+//! 1.5-2× the row layout's VNNI tile at 64-512 rows of x and 2-5× at 1-8 rows, except Q6_K
+//! from 128 rows (160-193 against 195-224 GMAC/s; 194-246 in its VNNI form). ARM keeps its
+//! `sdot` rows.
 
 #[cfg(target_arch = "x86_64")]
 use super::{tile, Out, QRows};
@@ -37,6 +38,19 @@ use superblocks::Superblocks;
 
 /// Rows per group: the lanes of an AVX2 vector of f32.
 pub(super) const ROWS: usize = 8;
+
+/// [`super::packed_products`].
+pub(super) fn products() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if wanted(Format::Q4_0) {
+        return match x86::form() {
+            x86::EVEX => "avx512-vnni",
+            x86::VEX => "avx-vnni",
+            _ => "avx2",
+        };
+    }
+    "none"
+}
 
 /// Whether a weight in `format` is packed on this CPU (see the file's header).
 pub(super) fn wanted(format: Format) -> bool {

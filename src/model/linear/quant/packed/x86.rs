@@ -1,9 +1,9 @@
-//! The packed layout's kernel ([`super`]) on AVX2, and with AVX-512 VNNI (`blocks::tile_vnni`,
-//! and `avx512`'s 16-row tile): per group of 8 weight rows and block of 32 columns, the integer
-//! sums of the 8 rows are one vector, for `RX` rows of x at once.
+//! The packed layout's kernel ([`super`]) on AVX2, AVX-512 VNNI (`avx512`'s 16-row tile too)
+//! and AVX-VNNI: per group of 8 weight rows and block of 32 columns, the integer sums of the
+//! 8 rows are one vector, for `RX` rows of x at once.
 //!
-//! The 32-weight formats' tile of one group is `blocks`' (AVX2 and VNNI forms). The
-//! K-quants' tiles are `q4k` and `q6k`'s, each in an AVX2 and a VNNI form.
+//! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k` and
+//! `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
@@ -30,7 +30,9 @@ macro_rules! three_forms {
             y: *mut f32,
         ) {
             // SAFETY: the caller's.
-            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::MADD }>(w, g, x, i0, y) }
+            unsafe { $body::<$($g,)* { $crate::model::linear::quant::packed::x86::MADD }>(
+                w, g, x, i0, y,
+            ) }
         }
 
         /// [`tile`] with AVX-512 VNNI's `vpdpbusd`.
@@ -46,7 +48,9 @@ macro_rules! three_forms {
             y: *mut f32,
         ) {
             // SAFETY: the caller's.
-            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::EVEX }>(w, g, x, i0, y) }
+            unsafe { $body::<$($g,)* { $crate::model::linear::quant::packed::x86::EVEX }>(
+                w, g, x, i0, y,
+            ) }
         }
 
         /// [`tile`] with AVX-VNNI's `vpdpbusd`.
@@ -62,7 +66,9 @@ macro_rules! three_forms {
             y: *mut f32,
         ) {
             // SAFETY: the caller's.
-            unsafe { $body::<$($g,)* { crate::model::linear::quant::packed::x86::VEX }>(w, g, x, i0, y) }
+            unsafe { $body::<$($g,)* { $crate::model::linear::quant::packed::x86::VEX }>(
+                w, g, x, i0, y,
+            ) }
         }
     };
 }
@@ -77,16 +83,27 @@ pub(super) const VEX: u8 = 2;
 /// into each 32-bit lane) in the encoding `V` names.
 ///
 /// # Safety
-/// The CPU has AVX-512 VNNI and VL where `V` is [`EVEX`], AVX-VNNI where [`VEX`]; never
-/// called with [`MADD`]. Inlined into a tile of that form, it is one instruction.
+/// The CPU has AVX-512 VNNI and VL where `V` is [`EVEX`], AVX-VNNI where [`VEX`]. Inlined
+/// into a tile of that form, it is one instruction.
 #[inline(always)]
 pub(super) unsafe fn dpbusd<const V: u8>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
     // SAFETY: the caller's.
     unsafe {
         match V {
+            EVEX => _mm256_dpbusd_epi32(acc, a, b),
             VEX => _mm256_dpbusd_avx_epi32(acc, a, b),
-            _ => _mm256_dpbusd_epi32(acc, a, b),
+            _ => unreachable!("AVX2's tiles multiply bytes by maddubs"),
         }
+    }
+}
+
+/// The form [`rows`] takes on this CPU: [`EVEX`] with AVX-512 VNNI, [`VEX`] with AVX-VNNI
+/// at the AVX2 level ([`crate::model::linear::simd::avx_vnni`]), else [`MADD`].
+pub(super) fn form() -> u8 {
+    match (super::super::vnni(), crate::model::linear::simd::avx_vnni()) {
+        (true, _) => EVEX,
+        (_, true) => VEX,
+        _ => MADD,
     }
 }
 
@@ -115,11 +132,7 @@ pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y:
 /// writes at `i · w.rows + r` for i < M and `8 · g0 <= r < min(8 · g1, w.rows)`, which
 /// nothing else touches meanwhile.
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
-    let dot = match (super::super::vnni(), crate::model::linear::simd::avx_vnni()) {
-        (true, _) => EVEX,
-        (_, true) => VEX,
-        _ => MADD,
-    };
+    let dot = form();
     // SAFETY: the caller's; `tiles` chose for this CPU.
     unsafe { rows_with(&tiles(w.format, dot, dot == EVEX), w, groups, x, y) }
 }

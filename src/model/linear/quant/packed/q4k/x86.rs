@@ -1,5 +1,5 @@
-//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile (`packed/x86.rs`)
-//! for Q4_K.
+//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile
+//! (`packed/x86.rs`) for Q4_K.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
@@ -18,10 +18,11 @@ three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 /// Then `d · dx` and `dmin · dx`, once per superblock (x has one scale per superblock
 /// against a K-quant).
 ///
-/// With VNNI (`V`) each sub-block's products are summed straight into 32-bit lanes by
-/// `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960), then multiplied by
-/// the rows' 6-bit scale (`vpmulld`), in place of `maddubs`, a 16-bit add per load and the
-/// `madd` by the scales. The body of `tile`, `tile_vnni` and `tile_avx_vnni` (`three_forms!`).
+/// With VNNI (`V` is `EVEX` or `VEX`) each sub-block's products are summed straight into
+/// 32-bit lanes by `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960),
+/// then multiplied by the rows' 6-bit scale (`vpmulld`), in place of `maddubs`, a 16-bit add
+/// per load and the `madd` by the scales. The body of `tile`, `tile_vnni` and
+/// `tile_avx_vnni` (`three_forms!`).
 ///
 /// # Safety
 /// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q4_K and its

@@ -1,5 +1,5 @@
-//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile (`packed/x86.rs`)
-//! for Q6_K.
+//! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile
+//! (`packed/x86.rs`) for Q6_K.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
@@ -39,10 +39,10 @@ three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
 /// weights, by `madd` of the rows' scale pairs against x's sums. Then `d · dx` once per
 /// superblock.
 ///
-/// With VNNI (`V`) a chunk's two loads of products are summed straight into 32-bit lanes
-/// by `vpdpbusd`, then multiplied by the rows' 8-bit scale (`vpmulld`), in place of two
-/// `maddubs`, a 16-bit add and the `madd` by the scales. The body of `tile`, `tile_vnni` and
-/// `tile_avx_vnni` (`three_forms!`).
+/// With VNNI (`V` is `EVEX` or `VEX`) a chunk's two loads of products are summed straight
+/// into 32-bit lanes by `vpdpbusd`, then multiplied by the rows' 8-bit scale (`vpmulld`), in
+/// place of two `maddubs`, a 16-bit add and the `madd` by the scales. The body of `tile`,
+/// `tile_vnni` and `tile_avx_vnni` (`three_forms!`).
 ///
 /// # Safety
 /// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q6_K and its

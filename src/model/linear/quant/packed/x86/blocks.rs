@@ -1,5 +1,5 @@
-//! The packed kernel's tile of one group for the 32-weight formats ([`super`]), AVX2's and
-//! AVX-512 VNNI's forms of one body.
+//! The packed kernel's tile of one group for the 32-weight formats ([`super`]), AVX2's,
+//! AVX-512 VNNI's and AVX-VNNI's forms of one body.
 //!
 //! Nibbles: each 32-byte load is 4 quant bytes of each of the 8 rows; its low nibbles
 //! (weights `4v..4v + 4`) and high nibbles (`16 + 4v..`) go through `maddubs` against x's
