@@ -172,23 +172,19 @@ pub fn write(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn prompts_vary_topic_and_kind() {
         let n = 2 * TOPICS.len() * ASKS.len() * OPENINGS.len();
-        let chats: std::collections::HashSet<String> = (0..n)
-            .filter_map(|i| match prompt(i, true) {
-                Prompt::Chat(ask) => Some(ask),
-                Prompt::Opening(_) => None,
-            })
-            .collect();
+        let (mut chats, mut openings) = (HashSet::new(), HashSet::new());
+        for i in 0..n {
+            match prompt(i, true) {
+                Prompt::Chat(ask) => chats.insert(ask),
+                Prompt::Opening(text) => openings.insert(text),
+            };
+        }
         assert_eq!(chats.len(), TOPICS.len() * ASKS.len());
-        let openings: std::collections::HashSet<String> = (0..n)
-            .filter_map(|i| match prompt(i, true) {
-                Prompt::Opening(text) => Some(text),
-                Prompt::Chat(_) => None,
-            })
-            .collect();
         assert_eq!(openings.len(), TOPICS.len() * OPENINGS.len());
         assert_eq!(
             prompt(1, true),
