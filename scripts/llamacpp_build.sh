@@ -7,9 +7,10 @@
 # with convert_hf_to_gguf.py and gguf-py). It is fetched with `pip download --no-binary`
 # (sha256 checked), extracted to target/llama.cpp/src/ and built with cmake in Release with
 # -DGGML_NATIVE=ON (all the host's instruction sets, as a user building it would), only the
-# tools the benchmark needs: llama-bench, llama-quantize, llama-perplexity.
+# tools the benchmarks need: llama-bench, llama-batched-bench, llama-quantize, llama-perplexity.
 # If there is no cmake on PATH, one is pip-installed into target/venv-llamacpp.
-# Idempotent: when target/llama.cpp/build/.complete exists it only says so.
+# Idempotent: when target/llama.cpp/build/.complete exists and every tool is built, it only
+# says so.
 # Time on the 2-core Zen 3 host (-j2, other builds running): see scripts/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +19,11 @@ SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 top=target/llama.cpp
 src="$top/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 build="$top/build"
-targets=(llama-bench llama-quantize llama-perplexity)
+targets=(llama-bench llama-batched-bench llama-quantize llama-perplexity)
 
-if [ -f "$build/.complete" ]; then
+built=yes
+for t in "${targets[@]}"; do [ -x "$build/bin/$t" ] || built=no; done
+if [ -f "$build/.complete" ] && [ "$built" = yes ]; then
     echo "llama.cpp (llama-cpp-python $VERSION) already built in $build/bin"
     exit 0
 fi

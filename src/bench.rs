@@ -52,7 +52,7 @@ pub fn run(
     if batch == 0 {
         return Err(Error::Invalid("--batch must be at least 1".into()));
     }
-    let (dtype, dev) = (model.dtype(), model.device());
+    let (dtype, dev) = (model.cache_dtype(), model.device());
     let mut caches = (0..batch)
         .map(|_| match expanded_mla {
             true => KvCache::expanded(cfg, capacity, dtype, dev),

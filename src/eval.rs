@@ -101,7 +101,12 @@ pub fn evaluate_windows(
     }
     windows.check(model)?;
     let capacity = windows.context.min(ids.len());
-    let mut cache = KvCache::new(model.config(), capacity, model.dtype(), model.device())?;
+    let mut cache = KvCache::new(
+        model.config(),
+        capacity,
+        model.cache_dtype(),
+        model.device(),
+    )?;
     let spans = windows.spans(ids.len());
     let total: usize = spans.iter().map(|(b, e, _)| e - b).sum();
     let (mut nll, mut done) = (Nll::default(), 0);

@@ -180,7 +180,7 @@ pub fn cache_for(model: &Transformer, prompt: usize, new: usize) -> Result<KvCac
     KvCache::new(
         model.config(),
         capacity(model, prompt, new),
-        model.dtype(),
+        model.cache_dtype(),
         device,
     )
 }

@@ -17,7 +17,8 @@
 //!   perplexity over 64 tokens within 6% (measured: 0.1-2.2%; 3.9% for Q2_K before the
 //!   packed kernels, a model at perplexity ~450 whose choices are near-ties, where a change
 //!   of summation order alone moved it from 0.3%; a misread field costs many times that),
-//!   and the greedy choice the same where the lead is over 2.
+//!   and the greedy choice the same where the lead is over 2; the same through the bf16
+//!   cache such a file runs with by default (the comparisons above keep both caches in f32).
 //!
 //! Where the files have not been made these tests say so on stderr and do nothing; with
 //! TINY_DECODER_REQUIRE_SMOLLM2=1 (set by .ci/run, which makes them) a missing one fails.
@@ -86,10 +87,15 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         let Some(path) = checkpoint_file(&format!("kquants/smollm2-135m-instruct-{t}.gguf")) else {
             continue;
         };
-        let (blocks, dense) = (
+        let (mut blocks, dense) = (
             load(&path, DTypeArg::Auto),
             load(&path, DTypeArg::Fixed(candle_core::DType::F32)),
         );
+        // The kernels are compared with both caches in f32; the bf16 cache the blocks run
+        // with by default is checked token by token at the end.
+        let cached = blocks.model.cache_dtype();
+        assert_eq!(cached, candle_core::DType::BF16, "{t}");
+        blocks.model.set_cache_dtype(candle_core::DType::F32);
         let ids = blocks.tokenizer.as_ref().unwrap().encode(&text).unwrap();
         let ids = &ids[..ids.len().min(256)];
         let (l_blocks, l_dense) = (full_logits(&blocks, ids), full_logits(&dense, ids));
@@ -111,10 +117,18 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
             prompt_checked >= 64 && checked >= 4,
             "{t}: only {prompt_checked} of 256 positions and {checked} of 64 steps had a clear lead"
         );
+        blocks.model.set_cache_dtype(cached);
+        let s_bf16 = step_logits(&blocks, ids);
+        let q_bf16 = perplexity(&s_bf16, ids);
+        assert!(
+            (q_bf16 / q_dense - 1.0).abs() <= 0.06,
+            "{t} token by token, bf16 cache: perplexity {q_bf16}, {q_dense} dequantized"
+        );
+        same_choices(t, &s_bf16, &s_dense, 2.0);
         eprintln!(
             "{t}: perplexity {p_blocks:.4} in blocks / {p_dense:.4} dequantized (prompt, \
              {prompt_checked} clear greedy choices equal), {q_blocks:.4} / {q_dense:.4} (token by \
-             token, {checked})"
+             token, {checked}; {q_bf16:.4} through the bf16 cache)"
         );
     }
 }

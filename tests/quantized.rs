@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Module, Tensor};
-use common::{checkpoint, run_json};
+use common::{checkpoint, fails, full_logits, max_abs_diff, run_json, step_logits};
 use tiny_decoder::model::linear::Linear;
 
 /// Relative error of a quantized product against the dense one, on random data.
@@ -111,6 +111,86 @@ fn smollm2_quantized_perplexity_stays_near_f32() {
     );
     // (No greedy text here: on "What is the capital of France?" f32's first token "The" leads
     // "L" by 0.08 logits, a margin Q8_0's rounding may flip; the NLL is the measure.)
+}
+
+/// Block-quantized weights on CPU keep their cache in bf16 (`--kv-dtype auto`, llama.cpp's
+/// 16-bit cache): half f32's bytes, as `info` predicts; `--kv-dtype f32` keeps f32, dense f32
+/// weights keep f32, and any other name is refused with the flag named.
+#[test]
+fn quantized_weights_cache_in_bf16_unless_asked() {
+    for m in ["tiny-gqa", "tiny-mla"] {
+        let bench = |more: &[&str]| {
+            let mut args = vec![
+                "bench",
+                "-m",
+                m,
+                "--prompt-tokens",
+                "8",
+                "--new-tokens",
+                "4",
+            ];
+            args.extend(more);
+            run_json(&args)
+        };
+        let (dense, auto, f32) = (
+            bench(&[]),
+            bench(&["--dtype", "q8_0"]),
+            bench(&["--dtype", "q8_0", "--kv-dtype", "f32"]),
+        );
+        let bytes = |v: &serde_json::Value| v["kv_cache_bytes"].as_u64().unwrap();
+        assert_eq!(
+            [&dense["kv_dtype"], &auto["kv_dtype"], &f32["kv_dtype"]],
+            ["f32", "bf16", "f32"],
+            "{m}"
+        );
+        assert_eq!(2 * bytes(&auto), bytes(&f32), "{m}");
+        assert_eq!(bytes(&dense), bytes(&f32), "{m}");
+        let info = |more: &[&str]| {
+            let mut args = vec!["info", "-m", m, "--dtype", "q8_0"];
+            args.extend(more);
+            run_json(&args)
+        };
+        let (i_auto, i_f32) = (info(&[]), info(&["--kv-dtype", "f32"]));
+        assert_eq!(i_auto["kv_dtype"], "bf16", "{m}");
+        let per_token = |v: &serde_json::Value| v["kv_bytes_per_token"].as_u64().unwrap();
+        assert_eq!(2 * per_token(&i_auto), per_token(&i_f32), "{m}");
+    }
+    fails(
+        &["info", "-m", "tiny-gqa", "--kv-dtype", "f16"],
+        &[],
+        "--kv-dtype f16",
+    );
+}
+
+/// Through a bf16 cache, token-by-token decode of block-quantized weights stays with the
+/// full forward, which attends over the same rounded keys and values (measured, Zen 5: up
+/// to 3e-4 of the largest logit's 11-14 for MHA, GQA, MQA). MLA's absorbed decode also
+/// rounds its latent query to bf16 where the CPU multiplies bf16 pairs (AVX-512 BF16, as
+/// llama.cpp rounds a query to its cache's type), while the prompt's expanded form does
+/// not: 0.09 of 12.3 there, the size of the cache's own rounding. Against an f32 cache the
+/// logits move by 0.08-0.12 (bf16's 8 bits), never more than 2%.
+#[test]
+fn a_bf16_cache_decodes_as_the_full_forward() {
+    use tiny_decoder::loader::{self, DTypeArg};
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7919 + 13) % 256).collect();
+    for m in ["tiny-mha", "tiny-gqa", "tiny-mqa", "tiny-mla"] {
+        let q8 = DTypeArg::parse("q8_0").unwrap();
+        let mut loaded = loader::open(m).unwrap().load(q8, &Device::Cpu).unwrap();
+        assert_eq!(loaded.model.cache_dtype(), candle_core::DType::BF16, "{m}");
+        let (full, steps) = (full_logits(&loaded, &ids), step_logits(&loaded, &ids));
+        loaded.model.set_cache_dtype(candle_core::DType::F32);
+        let exact = full_logits(&loaded, &ids);
+        let top = exact.iter().flatten().fold(0f32, |a, v| a.max(v.abs()));
+        let tol = if m == "tiny-mla" { 2e-2 } else { 1e-3 } * top;
+        for (i, ((f, s), e)) in full.iter().zip(&steps).zip(&exact).enumerate() {
+            let (step, rounding) = (max_abs_diff(f, s), max_abs_diff(f, e));
+            assert!(step < tol, "{m}: step {i} off the full forward by {step}");
+            assert!(
+                rounding < 2e-2 * top,
+                "{m}: position {i} moved by {rounding}"
+            );
+        }
+    }
 }
 
 /// Our Q8_0/Q4_0 kernels against candle's quantized matmul on the same weights: the weights

@@ -58,6 +58,10 @@ pub struct Placement {
     /// cpu, or cuda in a build with `--features cuda`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// The KV cache's dtype: auto (the weights' own; bf16 for block-quantized weights on
+    /// CPU, as llama.cpp's 16-bit cache), f32 or bf16 (other than the weights' on CPU only).
+    #[arg(long, value_name = "DTYPE", default_value = "auto")]
+    pub kv_dtype: String,
     /// Convert the checkpoint's attention at load: mha, mqa, gqa:G (G K/V heads) with
     /// ,method=mean|aware, or lowrank:R (a rank-R latent of the keys and values) with
     /// ,method=svd|aware [default: aware, fitted on the calibration text].

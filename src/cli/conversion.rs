@@ -7,8 +7,9 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use tiny_decoder::convert;
 use tiny_decoder::loader::{self, Loaded};
+use tiny_decoder::model::Transformer;
+use tiny_decoder::{convert, kv_cache};
 
 /// [`super::load`], with what the conversion did when `--attention` was given.
 pub(super) fn load_reported(
@@ -17,17 +18,29 @@ pub(super) fn load_reported(
 ) -> Result<(Loaded, Option<convert::Report>)> {
     let (dtype, device) = placement(p)?;
     let source = loader::open(model)?;
-    let Some(spec) = &p.attention else {
-        return Ok((source.load(dtype, &device)?, None));
+    let (mut loaded, report) = match &p.attention {
+        None => (source.load(dtype, &device)?, None),
+        Some(spec) => {
+            let request = request(spec, &p.calibration, &p.heal)?;
+            let bar = progress_bar();
+            let (loaded, report) =
+                convert::load(&source, dtype, &device, &request, |stage, done, total| {
+                    show_progress(&bar, stage, done, total)
+                })?;
+            bar.finish_and_clear();
+            (loaded, Some(report))
+        }
     };
-    let request = request(spec, &p.calibration, &p.heal)?;
-    let bar = progress_bar();
-    let (loaded, report) =
-        convert::load(&source, dtype, &device, &request, |stage, done, total| {
-            show_progress(&bar, stage, done, total)
-        })?;
-    bar.finish_and_clear();
-    Ok((loaded, Some(report)))
+    set_kv_dtype(&mut loaded.model, p)?;
+    Ok((loaded, report))
+}
+
+/// `--kv-dtype` on a loaded model.
+pub(super) fn set_kv_dtype(model: &mut Transformer, p: &Placement) -> Result<()> {
+    let (weights, quant) = (model.dtype(), model.quantization());
+    let kv = kv_cache::parse_dtype(&p.kv_dtype, weights, quant, model.device())?;
+    model.set_cache_dtype(kv);
+    Ok(())
 }
 
 /// A progress bar on a terminal, hidden elsewhere.
@@ -179,7 +192,9 @@ pub(super) fn add_conversion(
 ) {
     let cfg = loaded.model.config();
     out["attention"] = json!(cfg.attention_kind());
-    out["kv_bytes_per_token"] = json!(cfg.kv_bytes_per_token(loaded.model.dtype().size_in_bytes()));
+    let kv = loaded.model.cache_dtype();
+    out["kv_bytes_per_token"] = json!(cfg.kv_bytes_per_token(kv.size_in_bytes()));
+    out["kv_dtype"] = json!(loader::dtype_name(kv));
     if let Some(r) = report {
         out["attention_spec"] = json!(r.plan.spec.to_string());
         out["conversion_method"] = json!(conversion_method(r));

@@ -23,7 +23,7 @@ use tiny_decoder::chat::ChatTemplate;
 use tiny_decoder::config::AttentionConfig;
 use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, dtype_label, dtype_name, DTypeArg, Loaded, TextTokenizer};
-use tiny_decoder::{bench, convert, ModelConfig};
+use tiny_decoder::{bench, convert, kv_cache, ModelConfig};
 
 /// `--dtype` and `--device`.
 fn placement(p: &Placement) -> Result<(DTypeArg, Device)> {
@@ -101,7 +101,8 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
             (describe_loaded(&loaded), report)
         }
     };
-    let (cfg, size) = (&d.cfg, d.dtype.size_in_bytes());
+    let kv = kv_cache::parse_dtype(&m.placement.kv_dtype, d.dtype, d.quantization, &device)?;
+    let (cfg, size) = (&d.cfg, kv.size_in_bytes());
     let mut info = json!({
         "model_type": cfg.family.model_type(),
         "attention": cfg.attention_kind(),
@@ -115,6 +116,7 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
         "dtype": dtype_label(d.dtype, d.quantization),
         "checkpoint_dtype": d.checkpoint_dtype.map(dtype_name),
         "kv_bytes_per_token": cfg.kv_bytes_per_token(size),
+        "kv_dtype": dtype_name(kv),
         "mha_kv_bytes_per_token": cfg.num_hidden_layers * cfg.mha_values_per_token_per_layer() * size,
         // What a user gains from a smaller cache: context, or sequences, in 1 GB of it.
         "kv_tokens_per_gb": cfg.kv_capacity(size, GB, 1).0,
@@ -209,7 +211,9 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
             if let Some(spec) = &b.placement.attention {
                 cfg = spec.parse::<convert::Spec>()?.plan(&cfg)?.config(&cfg);
             }
-            (loader::random(&cfg, dtype, quant, &device)?, None)
+            let mut loaded = loader::random(&cfg, dtype, quant, &device)?;
+            conversion::set_kv_dtype(&mut loaded.model, &b.placement)?;
+            (loaded, None)
         }
         (None, None) => bail!("bench needs --model or --config"),
     };

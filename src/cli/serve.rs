@@ -49,7 +49,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     };
     // What the KV cache of every sequence costs, and what that memory would hold.
     let cfg = loaded.model.config();
-    let size = loaded.model.dtype().size_in_bytes();
+    let size = loaded.model.cache_dtype().size_in_bytes();
     let per_sequence = context * cfg.kv_bytes_per_token(size);
     // --kv-memory sizes the pool the sequences share: at least one whole --context, so
     // that any one request can always run (the others preempted).

@@ -41,7 +41,7 @@ pub fn measure(
         )));
     }
     let window = WINDOW.min(cfg.max_position_embeddings);
-    let mut cache = KvCache::new(cfg, window, model.dtype(), model.device())?;
+    let mut cache = KvCache::new(cfg, window, model.cache_dtype(), model.device())?;
     let mut sums: Vec<Option<Tensor>> = vec![None; cfg.num_hidden_layers];
     for (w, chunk) in ids.chunks(window).enumerate() {
         cache.reset();
@@ -96,7 +96,7 @@ pub fn windows(
         )));
     }
     let n = available.min(count);
-    let mut cache = KvCache::new(cfg, window, model.dtype(), model.device())?;
+    let mut cache = KvCache::new(cfg, window, model.cache_dtype(), model.device())?;
     let mut per_layer: Vec<Vec<Tensor>> = vec![Vec::with_capacity(n); cfg.num_hidden_layers];
     for w in 0..n {
         // Spread over the text: window w of n starts at the (w·available/n)-th slot.

@@ -132,11 +132,11 @@ pub fn write(
         let cfg = model.config();
         let capacity = |p: &Vec<u32>| generate::capacity(model, p.len(), NEW_TOKENS);
         let blocks: usize = prompts.iter().map(|p| capacity(p).div_ceil(BLOCK)).sum();
-        let per_token = cfg.kv_bytes_per_token(model.dtype().size_in_bytes());
+        let per_token = cfg.kv_bytes_per_token(model.cache_dtype().size_in_bytes());
         let pool = KvPool::new(
             cfg,
             blocks * BLOCK * per_token,
-            model.dtype(),
+            model.cache_dtype(),
             model.device(),
         )?;
         let mut caches: Vec<KvCache> = prompts.iter().map(|p| pool.sequence(capacity(p))).collect();

@@ -67,3 +67,26 @@ fn a_block_table_places_and_gathers_every_position() {
         vec![vec![BLOCK as f32; 3]]
     );
 }
+
+/// The cache keeps the weights' dtype, except block formats on CPU (bf16); a GGUF of floats
+/// (its label F32 or F16) is not blocks; `--kv-dtype` names f32 or bf16, nothing else.
+#[test]
+fn the_cache_dtype_follows_the_weights_but_blocks_cache_in_bf16() {
+    use candle_core::quantized::GgmlDType as G;
+    let cpu = Device::Cpu;
+    assert_eq!(dtype_for(DType::F32, None, &cpu), DType::F32);
+    assert_eq!(dtype_for(DType::BF16, None, &cpu), DType::BF16);
+    assert_eq!(dtype_for(DType::F32, Some(G::Q4K), &cpu), DType::BF16);
+    assert_eq!(dtype_for(DType::F32, Some(G::Q8_0), &cpu), DType::BF16);
+    assert_eq!(dtype_for(DType::F32, Some(G::F16), &cpu), DType::F32);
+    assert_eq!(dtype_for(DType::F32, Some(G::F32), &cpu), DType::F32);
+    let parse = |s| parse_dtype(s, DType::F32, Some(G::Q8_0), &cpu);
+    assert_eq!(parse("auto").unwrap(), DType::BF16);
+    assert_eq!(parse(" F32").unwrap(), DType::F32);
+    assert_eq!(parse("bf16").unwrap(), DType::BF16);
+    let e = parse("f16").unwrap_err().to_string();
+    assert!(
+        e.contains("--kv-dtype f16") && e.contains("auto, f32 or bf16"),
+        "{e}"
+    );
+}

@@ -38,7 +38,8 @@ pub const PREFILL_CHUNK: usize = 512;
 /// widens them in registers, so f32 activations cost it nothing, while candle's element-wise
 /// bf16 ops (norms, RoPE, SiLU, residual adds) convert every element both ways: on the AVX2
 /// host, SmolLM2-135M bf16 prefill of 512 tokens ran at 0.84x f32's with bf16 activations.
-/// The KV cache stays in the weights' dtype (its bytes are what the cache reports).
+/// The KV cache stays in the weights' dtype, except for blocks on CPU
+/// ([`crate::kv_cache::dtype_for`]).
 pub fn activation_dtype(weights: DType, dev: &Device) -> DType {
     match dev.is_cpu() {
         true => DType::F32,
@@ -80,6 +81,8 @@ pub struct Transformer {
     /// dense weights (less a tied LM head's blocks, kept beside the embedding); `None` when
     /// they are dense.
     quantized: Option<(GgmlDType, isize)>,
+    /// The KV cache's dtype ([`crate::kv_cache::dtype_for`] unless set).
+    cache_dtype: DType,
 }
 
 impl Transformer {
@@ -167,6 +170,9 @@ impl Transformer {
         }
         let act = activation_dtype(vb.dtype(), vb.device());
         let rope = Rope::new(&cfg.rope, act, vb.device())?;
+        let quantized = quant.map(|q| (q.label(), saved));
+        let cache_dtype =
+            crate::kv_cache::dtype_for(vb.dtype(), quantized.map(|q| q.0), vb.device());
         Ok(Self {
             embed_tokens,
             layers,
@@ -175,7 +181,8 @@ impl Transformer {
             rope,
             device: vb.device().clone(),
             cfg: cfg.clone(),
-            quantized: quant.map(|q| (q.label(), saved)),
+            quantized,
+            cache_dtype,
         })
     }
 
@@ -220,9 +227,20 @@ impl Transformer {
         &self.device
     }
 
-    /// The dtype of the weights and the cache (activations: [`activation_dtype`]).
+    /// The dtype of the weights (activations: [`activation_dtype`]; the cache:
+    /// [`Self::cache_dtype`]).
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()
+    }
+
+    /// The dtype a [`KvCache`] for this model holds its keys and values in.
+    pub fn cache_dtype(&self) -> DType {
+        self.cache_dtype
+    }
+
+    /// Sets [`Self::cache_dtype`] (`--kv-dtype`, [`crate::kv_cache::parse_dtype`]).
+    pub fn set_cache_dtype(&mut self, dtype: DType) {
+        self.cache_dtype = dtype;
     }
 
     pub fn layers(&self) -> &[DecoderLayer] {

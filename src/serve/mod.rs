@@ -79,7 +79,7 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         ));
     }
     let cfg = m.model.config().clone();
-    let (dtype, device) = (m.model.dtype(), m.model.device().clone());
+    let (dtype, device) = (m.model.cache_dtype(), m.model.device().clone());
     let pool = KvPool::new(&cfg, opts.kv_memory, dtype, &device)?;
     if pool.blocks() * BLOCK < opts.context {
         return Err(Error::Invalid(format!(

@@ -69,7 +69,13 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Logits (T, V) of one full-sequence forward.
 pub fn full_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
     let model = &loaded.model;
-    let mut cache = KvCache::new(model.config(), ids.len(), model.dtype(), model.device()).unwrap();
+    let mut cache = KvCache::new(
+        model.config(),
+        ids.len(),
+        model.cache_dtype(),
+        model.device(),
+    )
+    .unwrap();
     let input = Tensor::new(ids, model.device())
         .unwrap()
         .unsqueeze(0)
@@ -86,7 +92,13 @@ pub fn full_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
 /// Logits (T, V) of `ids` fed one at a time through a cache.
 pub fn step_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
     let model = &loaded.model;
-    let mut cache = KvCache::new(model.config(), ids.len(), model.dtype(), model.device()).unwrap();
+    let mut cache = KvCache::new(
+        model.config(),
+        ids.len(),
+        model.cache_dtype(),
+        model.device(),
+    )
+    .unwrap();
     ids.iter()
         .map(|&id| model.next_logits(&[id], &mut cache).unwrap())
         .collect()
@@ -105,7 +117,7 @@ pub fn greedy(loaded: &Loaded, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = KvCache::new(
         model.config(),
         prompt.len() + n,
-        model.dtype(),
+        model.cache_dtype(),
         model.device(),
     )
     .unwrap();

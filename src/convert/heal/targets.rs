@@ -37,7 +37,7 @@ impl Targets {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
         let n = (ids.len() / WINDOW).min(count);
-        let mut cache = KvCache::new(model.config(), WINDOW, model.dtype(), model.device())?;
+        let mut cache = KvCache::new(model.config(), WINDOW, model.cache_dtype(), model.device())?;
         let mut out = Targets {
             ids: Vec::with_capacity(n),
             top: Vec::with_capacity(n),
