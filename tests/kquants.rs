@@ -95,7 +95,10 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         // with by default is checked token by token at the end.
         let cached = blocks.model.cache_dtype();
         assert_eq!(cached, candle_core::DType::BF16, "{t}");
-        blocks.model.set_cache_dtype(candle_core::DType::F32);
+        blocks
+            .model
+            .set_cache_dtype(Some(candle_core::DType::F32))
+            .unwrap();
         let ids = blocks.tokenizer.as_ref().unwrap().encode(&text).unwrap();
         let ids = &ids[..ids.len().min(256)];
         let (l_blocks, l_dense) = (full_logits(&blocks, ids), full_logits(&dense, ids));
@@ -117,7 +120,7 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
             prompt_checked >= 64 && checked >= 4,
             "{t}: only {prompt_checked} of 256 positions and {checked} of 64 steps had a clear lead"
         );
-        blocks.model.set_cache_dtype(cached);
+        blocks.model.set_cache_dtype(None).unwrap();
         let s_bf16 = step_logits(&blocks, ids);
         let q_bf16 = perplexity(&s_bf16, ids);
         assert!(

@@ -152,8 +152,16 @@ fn quantized_weights_cache_in_bf16_unless_asked() {
         };
         let (i_auto, i_f32) = (info(&[]), info(&["--kv-dtype", "f32"]));
         assert_eq!(i_auto["kv_dtype"], "bf16", "{m}");
+        // What info predicts is what bench allocated: 8 + 4 positions.
         let per_token = |v: &serde_json::Value| v["kv_bytes_per_token"].as_u64().unwrap();
-        assert_eq!(2 * per_token(&i_auto), per_token(&i_f32), "{m}");
+        assert_eq!(12 * per_token(&i_auto), bytes(&auto), "{m}");
+        assert_eq!(12 * per_token(&i_f32), bytes(&f32), "{m}");
+        let generate = |more: &[&str]| {
+            let mut args = vec!["generate", "-m", m, "--dtype", "q8_0", "-p", "ROMEO:"];
+            args.extend(["-t", "0", "-n", "4"].iter().chain(more));
+            bytes(&run_json(&args))
+        };
+        assert_eq!(2 * generate(&[]), generate(&["--kv-dtype", "f32"]), "{m}");
     }
     fails(
         &["info", "-m", "tiny-gqa", "--kv-dtype", "f16"],
@@ -178,10 +186,14 @@ fn a_bf16_cache_decodes_as_the_full_forward() {
         let mut loaded = loader::open(m).unwrap().load(q8, &Device::Cpu).unwrap();
         assert_eq!(loaded.model.cache_dtype(), candle_core::DType::BF16, "{m}");
         let (full, steps) = (full_logits(&loaded, &ids), step_logits(&loaded, &ids));
-        loaded.model.set_cache_dtype(candle_core::DType::F32);
+        loaded
+            .model
+            .set_cache_dtype(Some(candle_core::DType::F32))
+            .unwrap();
         let exact = full_logits(&loaded, &ids);
         let top = exact.iter().flatten().fold(0f32, |a, v| a.max(v.abs()));
         let tol = if m == "tiny-mla" { 2e-2 } else { 1e-3 } * top;
+        let mut moved = 0f32;
         for (i, ((f, s), e)) in full.iter().zip(&steps).zip(&exact).enumerate() {
             let (step, rounding) = (max_abs_diff(f, s), max_abs_diff(f, e));
             assert!(step < tol, "{m}: step {i} off the full forward by {step}");
@@ -189,7 +201,13 @@ fn a_bf16_cache_decodes_as_the_full_forward() {
                 rounding < 2e-2 * top,
                 "{m}: position {i} moved by {rounding}"
             );
+            moved = moved.max(rounding);
         }
+        // The cache really was bf16: its rounding shows.
+        assert!(
+            moved > 1e-3 * top,
+            "{m}: the bf16 cache moved nothing ({moved})"
+        );
     }
 }
 

@@ -37,10 +37,7 @@ pub(super) fn load_reported(
 
 /// `--kv-dtype` on a loaded model.
 pub(super) fn set_kv_dtype(model: &mut Transformer, p: &Placement) -> Result<()> {
-    let (weights, quant) = (model.dtype(), model.quantization());
-    let kv = kv_cache::parse_dtype(&p.kv_dtype, weights, quant, model.device())?;
-    model.set_cache_dtype(kv);
-    Ok(())
+    Ok(model.set_cache_dtype(kv_cache::parse_dtype(&p.kv_dtype)?)?)
 }
 
 /// A progress bar on a terminal, hidden elsewhere.

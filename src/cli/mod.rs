@@ -25,8 +25,9 @@ use tiny_decoder::eval::{self, Windows};
 use tiny_decoder::loader::{self, dtype_label, dtype_name, DTypeArg, Loaded, TextTokenizer};
 use tiny_decoder::{bench, convert, kv_cache, ModelConfig};
 
-/// `--dtype` and `--device`.
+/// `--dtype` and `--device` (and `--kv-dtype` checked, before anything loads).
 fn placement(p: &Placement) -> Result<(DTypeArg, Device)> {
+    kv_cache::parse_dtype(&p.kv_dtype)?;
     Ok((DTypeArg::parse(&p.dtype)?, loader::parse_device(&p.device)?))
 }
 
@@ -101,7 +102,8 @@ pub fn run_info(m: ModelArgs, json_mode: bool) -> Result<()> {
             (describe_loaded(&loaded), report)
         }
     };
-    let kv = kv_cache::parse_dtype(&m.placement.kv_dtype, d.dtype, d.quantization, &device)?;
+    let asked = kv_cache::parse_dtype(&m.placement.kv_dtype)?;
+    let kv = kv_cache::choose_dtype(asked, d.dtype, d.quantization, &device)?;
     let (cfg, size) = (&d.cfg, kv.size_in_bytes());
     let mut info = json!({
         "model_type": cfg.family.model_type(),

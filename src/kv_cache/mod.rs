@@ -54,28 +54,35 @@ pub fn dtype_for(weights: DType, quantization: Option<GgmlDType>, dev: &Device) 
     }
 }
 
-/// `--kv-dtype`: `auto` ([`dtype_for`]), or f32 or bf16 on CPU (where activations are f32
-/// and the attention kernels read either); elsewhere the cache keeps the weights' dtype.
-pub fn parse_dtype(
-    arg: &str,
+/// `--kv-dtype`: `None` for `auto` ([`dtype_for`]), else f32 or bf16; read before a model
+/// loads, so a misspelt name costs no load.
+pub fn parse_dtype(arg: &str) -> Result<Option<DType>> {
+    match arg.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(None),
+        "f32" => Ok(Some(DType::F32)),
+        "bf16" => Ok(Some(DType::BF16)),
+        other => Err(Error::Invalid(format!(
+            "--kv-dtype {other}: expected auto, f32 or bf16"
+        ))),
+    }
+}
+
+/// The cache's dtype: `asked` (`None`: [`dtype_for`]) for weights in `weights` (blocks of
+/// `quantization`) on `dev`. On CPU, where activations are f32 and the attention kernels read
+/// either, f32 or bf16; elsewhere only the weights' dtype, which the activations are in.
+pub fn choose_dtype(
+    asked: Option<DType>,
     weights: DType,
     quantization: Option<GgmlDType>,
     dev: &Device,
 ) -> Result<DType> {
-    let want = match arg.trim().to_ascii_lowercase().as_str() {
-        "auto" => return Ok(dtype_for(weights, quantization, dev)),
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => {
-            return Err(Error::Invalid(format!(
-                "--kv-dtype {other}: expected auto, f32 or bf16"
-            )))
-        }
-    };
-    match dev.is_cpu() || want == weights {
-        true => Ok(want),
-        false => Err(Error::Invalid(format!(
-            "--kv-dtype {arg}: off the CPU the cache keeps the weights' dtype ({weights:?})"
+    match asked {
+        None => Ok(dtype_for(weights, quantization, dev)),
+        Some(d) if dev.is_cpu() || d == weights => Ok(d),
+        Some(d) => Err(Error::Invalid(format!(
+            "--kv-dtype {}: off the CPU the cache keeps the weights' dtype ({})",
+            d.as_str(),
+            weights.as_str()
         ))),
     }
 }

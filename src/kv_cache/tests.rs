@@ -80,13 +80,17 @@ fn the_cache_dtype_follows_the_weights_but_blocks_cache_in_bf16() {
     assert_eq!(dtype_for(DType::F32, Some(G::Q8_0), &cpu), DType::BF16);
     assert_eq!(dtype_for(DType::F32, Some(G::F16), &cpu), DType::F32);
     assert_eq!(dtype_for(DType::F32, Some(G::F32), &cpu), DType::F32);
-    let parse = |s| parse_dtype(s, DType::F32, Some(G::Q8_0), &cpu);
-    assert_eq!(parse("auto").unwrap(), DType::BF16);
-    assert_eq!(parse(" F32").unwrap(), DType::F32);
-    assert_eq!(parse("bf16").unwrap(), DType::BF16);
-    let e = parse("f16").unwrap_err().to_string();
+    assert_eq!(dtype_for(DType::BF16, Some(G::Q8_0), &cpu), DType::BF16);
+    assert_eq!(parse_dtype("auto").unwrap(), None);
+    assert_eq!(parse_dtype(" F32").unwrap(), Some(DType::F32));
+    assert_eq!(parse_dtype("bf16").unwrap(), Some(DType::BF16));
+    let e = parse_dtype("f16").unwrap_err().to_string();
     assert!(
         e.contains("--kv-dtype f16") && e.contains("auto, f32 or bf16"),
         "{e}"
     );
+    let choose = |asked| choose_dtype(asked, DType::F32, Some(G::Q8_0), &cpu).unwrap();
+    assert_eq!(choose(None), DType::BF16);
+    assert_eq!(choose(Some(DType::F32)), DType::F32);
+    assert_eq!(choose(Some(DType::BF16)), DType::BF16);
 }

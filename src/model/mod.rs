@@ -238,9 +238,12 @@ impl Transformer {
         self.cache_dtype
     }
 
-    /// Sets [`Self::cache_dtype`] (`--kv-dtype`, [`crate::kv_cache::parse_dtype`]).
-    pub fn set_cache_dtype(&mut self, dtype: DType) {
-        self.cache_dtype = dtype;
+    /// Sets [`Self::cache_dtype`] (`--kv-dtype`): `None` for the default, else a dtype
+    /// [`crate::kv_cache::choose_dtype`] allows on this device.
+    pub fn set_cache_dtype(&mut self, asked: Option<DType>) -> Result<()> {
+        let (weights, quant) = (self.dtype(), self.quantization());
+        self.cache_dtype = crate::kv_cache::choose_dtype(asked, weights, quant, &self.device)?;
+        Ok(())
     }
 
     pub fn layers(&self) -> &[DecoderLayer] {
