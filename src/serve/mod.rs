@@ -101,6 +101,15 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
         pool.blocks(),
         opts.max_queue
     );
+    // What a user gains from a smaller cache (`--attention`, `--kv-dtype`), in their units.
+    let (size, gb) = (dtype.size_in_bytes(), 1_000_000_000);
+    let (tokens, sequences) = cfg.kv_capacity(size, gb, 4096);
+    eprintln!(
+        "serve: KV cache in {}, {} bytes a token: 1 GB holds {tokens} tokens of context, or \
+         {sequences} sequences of 4096",
+        dtype.as_str(),
+        cfg.kv_bytes_per_token(size)
+    );
     let cancel = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(queue::Stats::default());
     stats.blocks_free.store(pool.blocks(), Ordering::Relaxed);

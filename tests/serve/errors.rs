@@ -215,6 +215,10 @@ fn bad_flags_and_a_taken_port_fail_in_one_line() {
         blocks * 65536
     );
     assert!(server.log().contains(&line), "{line}: {}", server.log());
+    // 1e9 / 2048 bytes a token: 488,281 tokens, 119 sequences of 4096.
+    let per_gb = "KV cache in f32, 2048 bytes a token: 1 GB holds 488281 tokens of context, or \
+                  119 sequences of 4096";
+    assert!(server.log().contains(per_gb), "{per_gb}: {}", server.log());
     let (_, health) = server.get("/health");
     assert_eq!(health["max_batch"], 8, "{health}");
     drop(server);

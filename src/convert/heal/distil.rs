@@ -32,6 +32,11 @@ const HELD_OUT: usize = 8;
 const HELD_OUT_MAX: usize = 4;
 /// Steps between checks on the held-out windows.
 const CHECK_EVERY: usize = 10;
+/// At a check that scores worse than the best state so far, training goes back to that
+/// state and on at this fraction of its learning rate, with fresh moments. (SmolLM2's
+/// `mla:192,rope=64` on its own text: every check at 1e-4 scored worse than the layer-wise
+/// fit, while 3e-5 improved on it: +0.070 nats on the passage against +0.093.)
+const BACKOFF: f64 = 0.3;
 /// Added to the converted model's probability of the rest of the vocabulary before its log.
 pub(super) const REST_FLOOR: f64 = 1e-6;
 
@@ -257,15 +262,16 @@ pub fn distil(
             .collect()
     };
     let before = frozen.score(&f32_forms, targets, &check, geo, &mask)?;
-    let mut best = (before, f32_forms.clone());
+    let mut best = (before, snapshot(&f32_forms)?);
     let params = ParamsAdamW {
         lr,
         weight_decay: 0.0,
         ..Default::default()
     };
-    let mut opt = AdamW::new(vars.iter().flatten().cloned().collect(), params)?;
+    let adamw = || AdamW::new(vars.iter().flatten().cloned().collect(), params.clone());
+    let (mut opt, mut scale) = (adamw()?, 1.0);
     for step in 0..steps {
-        opt.set_learning_rate(lr * (1.0 - 0.9 * step as f64 / steps as f64));
+        opt.set_learning_rate(scale * lr * (1.0 - 0.9 * step as f64 / steps as f64));
         let picks: Vec<usize> = (0..BATCH.min(fit.len()))
             .map(|i| fit[(step * BATCH + i) % fit.len()])
             .collect();
@@ -280,7 +286,14 @@ pub fn distil(
             let now = current(true);
             let score = frozen.score(&now, targets, &check, geo, &mask)?;
             if score < best.0 {
-                best = (score, now);
+                best = (score, snapshot(&now)?);
+            } else if step + 1 < steps {
+                for (vs, f) in vars.iter().zip(&best.1) {
+                    for (v, t) in vs.iter().zip(f.tensors()) {
+                        v.set(t)?;
+                    }
+                }
+                (opt, scale) = (adamw()?, scale * BACKOFF);
             }
         }
         progress(step + 1, steps);
@@ -301,9 +314,47 @@ pub fn distil(
     Ok((healed, report))
 }
 
+/// A copy of `forms` that training leaves alone: a detached tensor still shares its
+/// variable's storage, which every optimiser step overwrites in place.
+fn snapshot(forms: &[Form]) -> Result<Vec<Form>> {
+    forms
+        .iter()
+        .map(|f| {
+            let ts = f.tensors().into_iter().map(Tensor::copy);
+            Ok(f.with(&ts.collect::<candle_core::Result<Vec<_>>>()?))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The best state kept is a copy: setting the variables (as a step does) leaves it,
+    /// where a detached view of them would follow.
+    #[test]
+    fn a_kept_state_does_not_follow_the_variables() -> Result<()> {
+        let cpu = &Device::Cpu;
+        let vars: Vec<Var> = (0..4)
+            .map(|i| Var::from_tensor(&Tensor::full(i as f32, (2, 2), cpu)?))
+            .collect::<candle_core::Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().detach()).collect();
+        let view = Form::Gqa {
+            q: ts[0].clone(),
+            k: ts[1].clone(),
+            v: ts[2].clone(),
+            o: ts[3].clone(),
+        };
+        let kept = snapshot(std::slice::from_ref(&view))?;
+        for v in &vars {
+            v.set(&Tensor::full(9f32, (2, 2), cpu)?)?;
+        }
+        let first =
+            |f: &Form| -> Result<f32> { Ok(f.tensors()[1].flatten_all()?.to_vec1::<f32>()?[0]) };
+        assert_eq!(first(&kept[0])?, 1.0);
+        assert_eq!(first(&view)?, 9.0, "a detached view follows its variable");
+        Ok(())
+    }
 
     /// Two positions over a vocabulary of 3, the top 2 of each kept: by hand, the
     /// cross-entropy of (q₁, q₂, rest) against the logits' softmax grouped the same way.
