@@ -5,7 +5,6 @@
 //! chunk, never by the length of the text.
 
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
 use crate::model::{Transformer, PREFILL_CHUNK};
 use candle_core::{DType, Tensor, D};
 
@@ -101,12 +100,7 @@ pub fn evaluate_windows(
     }
     windows.check(model)?;
     let capacity = windows.context.min(ids.len());
-    let mut cache = KvCache::new(
-        model.config(),
-        capacity,
-        model.cache_dtype(),
-        model.device(),
-    )?;
+    let mut cache = model.new_cache(capacity)?;
     let spans = windows.spans(ids.len());
     let total: usize = spans.iter().map(|(b, e, _)| e - b).sum();
     let (mut nll, mut done) = (Nll::default(), 0);

@@ -13,7 +13,6 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::model::Transformer;
 use crate::sampling::Sampler;
-use candle_core::Device;
 use std::sync::atomic::AtomicBool;
 use tokenizers::Tokenizer;
 
@@ -176,13 +175,7 @@ pub fn generate(
 
 /// A cache for `prompt` + `new` tokens, capped at the model's context length.
 pub fn cache_for(model: &Transformer, prompt: usize, new: usize) -> Result<KvCache> {
-    let device: &Device = model.device();
-    KvCache::new(
-        model.config(),
-        capacity(model, prompt, new),
-        model.cache_dtype(),
-        device,
-    )
+    model.new_cache(capacity(model, prompt, new))
 }
 
 /// Positions for `prompt` + `new` tokens, capped at the model's context length.

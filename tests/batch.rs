@@ -27,7 +27,7 @@ fn prompts(vocab: usize) -> Vec<Vec<u32>> {
 }
 
 fn cache(model: &Transformer, len: usize) -> KvCache {
-    KvCache::new(model.config(), len, model.cache_dtype(), model.device()).unwrap()
+    model.new_cache(len).unwrap()
 }
 
 /// Greedy generation of each prompt alone, then all of them in one batch where the second

@@ -41,31 +41,28 @@ fn quantized_products_stay_close_to_dense_ones() {
     assert!(l.weight().is_some());
 }
 
+/// `bench --json` of model `m` over 8 + 4 tokens, with `more` flags.
+fn bench(m: &str, more: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "bench",
+        "-m",
+        m,
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "4",
+    ];
+    args.extend(more);
+    run_json(&args)
+}
+
 #[test]
 fn every_bundled_variant_runs_quantized_and_info_predicts_its_bytes() {
     for m in ["tiny-mha", "tiny-gqa", "tiny-mqa", "tiny-mla"] {
-        let dense = run_json(&[
-            "bench",
-            "-m",
-            m,
-            "--prompt-tokens",
-            "8",
-            "--new-tokens",
-            "4",
-        ]);
+        let dense = bench(m, &[]);
         for q in ["q8_0", "q4_0"] {
             let info = run_json(&["info", "-m", m, "--dtype", q]);
-            let bench = run_json(&[
-                "bench",
-                "-m",
-                m,
-                "--dtype",
-                q,
-                "--prompt-tokens",
-                "8",
-                "--new-tokens",
-                "4",
-            ]);
+            let bench = bench(m, &["--dtype", q]);
             assert_eq!(bench["dtype"], q, "{m}");
             assert_eq!(info["dtype"], q, "{m}");
             assert_eq!(info["weight_bytes"], bench["weight_bytes"], "{m} {q}");
@@ -119,23 +116,10 @@ fn smollm2_quantized_perplexity_stays_near_f32() {
 #[test]
 fn quantized_weights_cache_in_bf16_unless_asked() {
     for m in ["tiny-gqa", "tiny-mla"] {
-        let bench = |more: &[&str]| {
-            let mut args = vec![
-                "bench",
-                "-m",
-                m,
-                "--prompt-tokens",
-                "8",
-                "--new-tokens",
-                "4",
-            ];
-            args.extend(more);
-            run_json(&args)
-        };
         let (dense, auto, f32) = (
-            bench(&[]),
-            bench(&["--dtype", "q8_0"]),
-            bench(&["--dtype", "q8_0", "--kv-dtype", "f32"]),
+            bench(m, &[]),
+            bench(m, &["--dtype", "q8_0"]),
+            bench(m, &["--dtype", "q8_0", "--kv-dtype", "f32"]),
         );
         let bytes = |v: &serde_json::Value| v["kv_cache_bytes"].as_u64().unwrap();
         assert_eq!(

@@ -48,7 +48,7 @@ impl<'a> Conversation<'a> {
     ) -> Result<Self> {
         let cfg = model.config();
         let context = context.min(cfg.max_position_embeddings);
-        let cache = KvCache::new(cfg, context, model.cache_dtype(), model.device())?;
+        let cache = model.new_cache(context)?;
         Ok(Self {
             model,
             tokenizer,

@@ -80,7 +80,7 @@ pub struct HealArgs {
     /// After a lossy conversion (gqa:G, mqa, lowrank:R, mla:R), fit each layer's new
     /// attention to the original's output (least squares and AdamW, layer by layer), then
     /// train them all together towards the original's next-token distribution, on text the
-    /// original writes itself unless --calibration is given (18-20 minutes for a 135M model
+    /// original writes itself unless --calibration is given (14-19 minutes for a 135M model
     /// on 2 cores).
     #[arg(long)]
     pub heal: bool,

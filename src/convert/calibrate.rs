@@ -6,7 +6,6 @@
 
 use super::{heal, own_text, Request, Stage, DEFAULT_CALIBRATION};
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
 use crate::loader::{DTypeArg, Source};
 use crate::model::{Transformer, PREFILL_CHUNK};
 use candle_core::{DType, Device, Tensor};
@@ -41,7 +40,7 @@ pub fn measure(
         )));
     }
     let window = WINDOW.min(cfg.max_position_embeddings);
-    let mut cache = KvCache::new(cfg, window, model.cache_dtype(), model.device())?;
+    let mut cache = model.new_cache(window)?;
     let mut sums: Vec<Option<Tensor>> = vec![None; cfg.num_hidden_layers];
     for (w, chunk) in ids.chunks(window).enumerate() {
         cache.reset();
@@ -96,7 +95,7 @@ pub fn windows(
         )));
     }
     let n = available.min(count);
-    let mut cache = KvCache::new(cfg, window, model.cache_dtype(), model.device())?;
+    let mut cache = model.new_cache(window)?;
     let mut per_layer: Vec<Vec<Tensor>> = vec![Vec::with_capacity(n); cfg.num_hidden_layers];
     for w in 0..n {
         // Spread over the text: window w of n starts at the (w·available/n)-th slot.

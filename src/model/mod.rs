@@ -238,6 +238,12 @@ impl Transformer {
         self.cache_dtype
     }
 
+    /// A cache of its own for `capacity` positions of this model, in [`Self::cache_dtype`]:
+    /// the one door every caller takes, so none picks another dtype.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        KvCache::new(&self.cfg, capacity, self.cache_dtype, &self.device)
+    }
+
     /// Sets [`Self::cache_dtype`] (`--kv-dtype`): `None` for the default, else a dtype
     /// [`crate::kv_cache::choose_dtype`] allows on this device.
     pub fn set_cache_dtype(&mut self, asked: Option<DType>) -> Result<()> {

@@ -9,7 +9,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tiny_decoder::loader::{self, Loaded};
-use tiny_decoder::KvCache;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tiny-decoder");
 
@@ -69,13 +68,7 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Logits (T, V) of one full-sequence forward.
 pub fn full_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
     let model = &loaded.model;
-    let mut cache = KvCache::new(
-        model.config(),
-        ids.len(),
-        model.cache_dtype(),
-        model.device(),
-    )
-    .unwrap();
+    let mut cache = model.new_cache(ids.len()).unwrap();
     let input = Tensor::new(ids, model.device())
         .unwrap()
         .unsqueeze(0)
@@ -92,13 +85,7 @@ pub fn full_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
 /// Logits (T, V) of `ids` fed one at a time through a cache.
 pub fn step_logits(loaded: &Loaded, ids: &[u32]) -> Vec<Vec<f32>> {
     let model = &loaded.model;
-    let mut cache = KvCache::new(
-        model.config(),
-        ids.len(),
-        model.cache_dtype(),
-        model.device(),
-    )
-    .unwrap();
+    let mut cache = model.new_cache(ids.len()).unwrap();
     ids.iter()
         .map(|&id| model.next_logits(&[id], &mut cache).unwrap())
         .collect()
@@ -114,13 +101,7 @@ pub fn token_nll(logits: &[f32], target: u32) -> f64 {
 /// Greedy continuation through the cache, ignoring EOS.
 pub fn greedy(loaded: &Loaded, prompt: &[u32], n: usize) -> Vec<u32> {
     let model = &loaded.model;
-    let mut cache = KvCache::new(
-        model.config(),
-        prompt.len() + n,
-        model.cache_dtype(),
-        model.device(),
-    )
-    .unwrap();
+    let mut cache = model.new_cache(prompt.len() + n).unwrap();
     let mut logits = model.next_logits(prompt, &mut cache).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {

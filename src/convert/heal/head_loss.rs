@@ -1,5 +1,5 @@
 //! The end-to-end training's loss from the last hidden states, through the frozen head, in
-//! one op on the CPU: [`super::distil::grouped_cross_entropy`] of `h·headᵀ`, its gradient
+//! one op on the CPU: [`super::frozen::grouped_cross_entropy`] of `h·headᵀ`, its gradient
 //! with respect to h computed in the same pass.
 //!
 //! Why: in candle's basic ops the logits of a step (1024 positions × SmolLM2's 49,152 tokens,
@@ -10,7 +10,7 @@
 //! (softmax · (P − c·S), plus c·s − q at the top tokens: [`position`]), which one more
 //! product takes back to h. The backward only scales what the forward kept.
 
-use super::distil::{grouped_cross_entropy, REST_FLOOR};
+use super::frozen::{grouped_cross_entropy, REST_FLOOR};
 use super::product::{in_place, Weight};
 use crate::model::attention::decode::softmax_row;
 use crate::model::linear::matvec::{rows_f32, slice};

@@ -18,12 +18,14 @@
 
 mod attend;
 pub mod distil;
+mod frozen;
 mod head_loss;
 mod product;
 pub mod targets;
 
 pub use attend::Form;
-pub use distil::{Distilled, Frozen};
+pub use distil::Distilled;
+pub use frozen::Frozen;
 pub use targets::Targets;
 
 use super::gqa::Projections;

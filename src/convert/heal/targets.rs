@@ -7,7 +7,6 @@
 
 use super::WINDOW;
 use crate::error::Result;
-use crate::kv_cache::KvCache;
 use crate::model::attention::decode::softmax_row;
 use crate::model::linear::simd::Isa;
 use crate::model::pool::each_row;
@@ -37,7 +36,7 @@ impl Targets {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
         let n = (ids.len() / WINDOW).min(count);
-        let mut cache = KvCache::new(model.config(), WINDOW, model.cache_dtype(), model.device())?;
+        let mut cache = model.new_cache(WINDOW)?;
         let mut out = Targets {
             ids: Vec::with_capacity(n),
             top: Vec::with_capacity(n),
