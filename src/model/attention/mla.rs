@@ -218,7 +218,7 @@ impl MlaAttention {
                     cache.write_held(&c_kv, &k_pe, span.pos)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let q = Tensor::cat(&[&q_nope, &q_pe.to_dtype(q_nope.dtype())?], D::Minus1)?;
+            let q = forms::cat_last(&[&q_nope, &q_pe.to_dtype(q_nope.dtype())?])?;
             let y = sdpa_spans(&q, &helds, spans, m.softmax_scale)?; // (1, N, H·r)
             return self.o_proj.forward(&y.to_dtype(x.dtype())?);
         }
@@ -266,7 +266,7 @@ impl MlaAttention {
         form: MlaForm,
     ) -> Result<Tensor> {
         let (m, mask, pos) = (&self.cfg, span.mask.as_ref(), span.pos);
-        let q_full = || Tensor::cat(&[q_nope, q_pe], D::Minus1);
+        let q_full = || forms::cat_last(&[q_nope, q_pe]);
         match (cache.layer(), form) {
             // The latent cache: only rows [c_kv | k_pe] are stored; read back all S positions.
             (LayerCache::Latent { .. }, MlaForm::Absorbed) => {

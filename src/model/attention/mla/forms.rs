@@ -7,7 +7,7 @@ use super::{MlaAttention, UpProj};
 use crate::config::MlaConfig;
 use crate::kv_cache::Held;
 use crate::model::attention::{decode, sdpa, sdpa_held};
-use crate::model::cpu::f32_rows;
+use crate::model::cpu::{cat_rows, f32_rows};
 use crate::model::linear::simd::{self, Isa};
 use crate::model::linear::{matvec, Linear};
 use candle_core::{DType, Error, Result, Storage, Tensor, D};
@@ -77,17 +77,20 @@ impl MlaAttention {
         let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
         // All heads in one product each, the halves seen as (H·width, r) matrices:
         // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
-        let c_kv = c_kv.squeeze(1)?;
+        // In the halves' dtype (f32 on CPU): a bf16 cache's latents widened once here, rather
+        // than K and V rounded to bf16 and widened again for the attention.
+        let act = w_uk.dtype();
+        let c_kv = c_kv.squeeze(1)?.to_dtype(act)?;
         let up = |w: &Tensor, width: usize| -> Result<Tensor> {
             let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
             y.reshape((b, s, h, width))?.transpose(1, 2)
         };
         let k_nope = up(w_uk, nope)?;
-        let v = up(w_uv, v)?.contiguous()?;
-        let k_pe = k_pe.broadcast_as((b, h, s, m.qk_rope_head_dim))?;
-        // Contiguous: candle's cat of views along the last dim returns a strided view that
-        // its CUDA matmul refuses ("matmul is only supported for contiguous tensors").
-        let k = Tensor::cat(&[&k_nope, &k_pe], D::Minus1)?.contiguous()?;
+        let v = cat_last(&[&up(w_uv, v)?])?;
+        let k_pe = k_pe
+            .to_dtype(act)?
+            .broadcast_as((b, h, s, m.qk_rope_head_dim))?;
+        let k = cat_last(&[&k_nope, &k_pe])?;
         Ok((k, v))
     }
 
@@ -121,7 +124,7 @@ impl MlaAttention {
             }
         };
         // (B, H, T, r + rope)
-        let q = Tensor::cat(&[&q_lat, &q_pe.to_dtype(act)?], D::Minus1)?;
+        let q = cat_last(&[&q_lat, &q_pe.to_dtype(act)?])?;
         // One new token: the fused op reads the values as a view of the rows (through the
         // block table of a paged cache). Otherwise `sdpa` on contiguous values: on CPU in the
         // cache's dtype (it widens bf16 rows, and where the decode op reads them as bf16
@@ -151,6 +154,17 @@ impl MlaAttention {
         o.reshape((h, b, t, m.v_head_dim))?
             .transpose(0, 1)? // (B, H, T, v)
             .to_dtype(act)
+    }
+}
+
+/// Rank-4 tensors concatenated along the last dimension into a contiguous one: by
+/// [`cat_rows`] on CPU, else candle's cat made contiguous (its cat of views along the last
+/// dimension returns a strided view that its CUDA matmul refuses: "matmul is only supported
+/// for contiguous tensors").
+pub(super) fn cat_last(parts: &[&Tensor]) -> Result<Tensor> {
+    match cat_rows(parts) {
+        Some(y) => y,
+        None => Tensor::cat(parts, D::Minus1)?.contiguous(),
     }
 }
 
