@@ -1,6 +1,7 @@
 //! The product `y = x · Wᵀ` for a prompt chunk of many rows of x on AVX2 (+ FMA), where the
 //! registers hold a tile of only 2 rows of x (AVX-512 holds 4 and reads W once per 64 rows,
-//! `simd::tiles_rows`).
+//! `simd::tiles_rows`), and for f32 prompts of 128 rows and more on AVX-512, where `gemm`'s
+//! AVX-512 micro-kernels beat that tile ([`F32_GEMM_ROWS_AVX512`]).
 //!
 //! Why: without it, prompt products went to candle's CPU matmul, which has no bf16 kernel
 //! and widens the whole weight matrix into a new f32 buffer, on one thread, on every call
@@ -49,6 +50,12 @@ const BLOCK_K: usize = 512;
 /// From this many rows of x, f32 products go to `gemm`, and bf16 from [`BF16_GEMM_ROWS`].
 const F32_GEMM_ROWS: usize = 17;
 const BF16_GEMM_ROWS: usize = 32;
+/// On AVX-512, f32 products go to `gemm` (its AVX-512 micro-kernels, gemm's `x86-v4`) from
+/// this many rows of x, below which the 4 × 4 register tile is faster. SmolLM2-135M f32
+/// prefill (Zen 5, 2 threads, 2-3 alternating runs, tok/s, tile / gemm): 20 tokens 711-745 /
+/// 471-476, 64: 1053-1100 / 962-980, 128: 872-1173 / 1262-1270, 256: 1219-1296 / 1258-1488,
+/// 512: 1167-1223 / 1450-1467. bf16 stays on the tile (`vdpbf16ps`) at every size.
+const F32_GEMM_ROWS_AVX512: usize = 128;
 /// Chunks per pool thread, as in `matvec`: an idle thread can take over a descheduled one's.
 const CHUNKS_PER_THREAD: usize = 4;
 
@@ -92,12 +99,17 @@ thread_local! {
 }
 
 /// Whether a product with `m` rows of x and weights `w` runs here rather than in the
-/// register tile: on AVX2 with enough rows (see the file's header); block formats on
+/// register tile: on AVX2 with enough rows (see the file's header), f32 on AVX-512 from
+/// [`F32_GEMM_ROWS_AVX512`]; block formats on
 /// AVX2 and AVX-512 without VNNI (on NEON they stay on the integer dots: untimed there).
 pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
     let isa = Isa::current().kind();
     match w {
-        Weights::F32(_) => isa == IsaKind::Avx2 && m >= F32_GEMM_ROWS,
+        Weights::F32(_) => match isa {
+            IsaKind::Avx2 => m >= F32_GEMM_ROWS,
+            IsaKind::Avx512 => m >= F32_GEMM_ROWS_AVX512,
+            _ => false,
+        },
         Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,
         // Packed weights' kernel beat `gemm` at every size (Zen 3: 58-96 GMAC/s at 64-512
         // rows against 25-59, `probe_packed`), and so does the row layout's VNNI tile (Zen
@@ -254,6 +266,27 @@ mod tests {
 
     /// Prompt-sized products (on AVX2) dequantize blocks of W for `gemm`: they equal the f32
     /// product with the dequantized weights (x is not quantized there).
+    /// f32 products on either side of the crossover to `gemm` (AVX-512's here, AVX2's below
+    /// it) equal plain sums.
+    #[test]
+    fn f32_rows_either_side_of_gemm_equal_plain_sums() {
+        let (n, k) = (50, 96);
+        let w = data(n * k, 7);
+        for m in [F32_GEMM_ROWS - 1, F32_GEMM_ROWS_AVX512 - 1, F32_GEMM_ROWS_AVX512 + 3] {
+            let x = data(m * k, 8);
+            let mut y = vec![0f32; m * n];
+            crate::model::linear::matvec::rows_f32(&x, k, &w, &mut y);
+            for (i, row) in y.chunks_exact(n).enumerate() {
+                for (j, got) in row.iter().enumerate() {
+                    let dot = |c: usize| x[i * k + c] as f64 * w[j * k + c] as f64;
+                    let want: f64 = (0..k).map(dot).sum();
+                    let err = (*got as f64 - want).abs();
+                    assert!(err < 1e-4 * (1.0 + want.abs()), "{m} rows: {got} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn many_rows_equal_the_dequantized_f32_product() {
         let (rows, cols, m) = (200, 576, 20);
