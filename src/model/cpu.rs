@@ -32,15 +32,20 @@ pub fn cat_rows(parts: &[&Tensor]) -> Option<Result<Tensor>> {
             && t.dtype() == DType::F32
             && t.rank() == 4
             && t.dims()[..3] == dims[..]
-            && (t.stride()[3] == 1 || t.dim(3).is_ok_and(|w| w <= 1))
+            && (t.stride()[3] == 1 || t.dims()[3] <= 1)
     });
     ours.then(|| {
         let widths: Vec<usize> = parts.iter().map(|t| t.dims()[3]).collect();
         let width: usize = widths.iter().sum();
         let rows = dims.iter().product::<usize>();
         let mut out = vec![0f32; rows * width];
+        // out (D0, D1, D2, width): row (i, j, k) holds each part's row (i, j, k) in turn,
+        // part p from column `at` (the widths before it).
         let mut at = 0;
         for (part, w) in parts.iter().zip(&widths) {
+            if *w == 0 {
+                continue; // nothing to read (its strides may point past its storage)
+            }
             let (storage, layout) = part.storage_and_layout();
             let Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
                 return Err(Error::Msg("cat_rows: f32 CPU parts only".into()));
@@ -79,9 +84,18 @@ mod tests {
         let b = Tensor::arange(100f32, 110., &dev)?
             .reshape((2, 1, 5, 1))?
             .broadcast_as((2, 3, 5, 1))?;
-        let c = Tensor::arange(200f32, 200. + 2. * 3. * 5. * 2., &dev)?.reshape((2, 3, 5, 2))?;
-        let ours = cat_rows(&[&a, &b, &c]).expect("f32 on the CPU")?;
-        let want = Tensor::cat(&[&a, &b, &c], D::Minus1)?;
+        // Narrowed out of wider rows (a start offset), and a one-wide part whose last
+        // stride is 5.
+        let wide = Tensor::arange(200f32, 200. + 2. * 3. * 5. * 4., &dev)?.reshape((2, 3, 5, 4))?;
+        let c = wide.narrow(3, 1, 2)?;
+        let d = Tensor::arange(300f32, 330., &dev)?
+            .reshape((2, 3, 1, 5))?
+            .transpose(2, 3)?;
+        assert_eq!(d.stride()[3], 5);
+        let none = wide.narrow(3, 0, 0)?;
+        let parts = [&a, &b, &c, &none, &d];
+        let ours = cat_rows(&parts).expect("f32 on the CPU")?;
+        let want = Tensor::cat(&parts, D::Minus1)?;
         assert!(ours.is_contiguous());
         assert_eq!(ours.dims(), want.dims());
         let diff = (ours - want)?.abs()?.sum_all()?.to_scalar::<f32>()?;

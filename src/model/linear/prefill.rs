@@ -100,15 +100,15 @@ thread_local! {
 
 /// Whether a product with `m` rows of x and weights `w` runs here rather than in the
 /// register tile: on AVX2 with enough rows (see the file's header), f32 on AVX-512 from
-/// [`F32_GEMM_ROWS_AVX512`]; block formats on
-/// AVX2 and AVX-512 without VNNI (on NEON they stay on the integer dots: untimed there).
+/// [`F32_GEMM_ROWS_AVX512`]; block formats on AVX2 and AVX-512 without VNNI (on NEON they
+/// stay on the integer dots: untimed there).
 pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
     let isa = Isa::current().kind();
     match w {
         Weights::F32(_) => match isa {
             IsaKind::Avx2 => m >= F32_GEMM_ROWS,
             IsaKind::Avx512 => m >= F32_GEMM_ROWS_AVX512,
-            _ => false,
+            IsaKind::Neon | IsaKind::Scalar => false,
         },
         Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,
         // Packed weights' kernel beat `gemm` at every size (Zen 3: 58-96 GMAC/s at 64-512
@@ -255,67 +255,4 @@ pub(crate) unsafe fn gemm_block(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::linear::quant::Format;
-
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        let v = |i: u32| ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32;
-        (0..n as u32).map(|i| v(i) / 1000.0 - 1.0).collect()
-    }
-
-    /// Prompt-sized products (on AVX2) dequantize blocks of W for `gemm`: they equal the f32
-    /// product with the dequantized weights (x is not quantized there).
-    /// f32 products on either side of the crossover to `gemm` (AVX-512's here, AVX2's below
-    /// it) equal plain sums.
-    #[test]
-    fn f32_rows_either_side_of_gemm_equal_plain_sums() {
-        let (n, k) = (50, 96);
-        let w = data(n * k, 7);
-        for m in [F32_GEMM_ROWS - 1, F32_GEMM_ROWS_AVX512 - 1, F32_GEMM_ROWS_AVX512 + 3] {
-            let x = data(m * k, 8);
-            let mut y = vec![0f32; m * n];
-            crate::model::linear::matvec::rows_f32(&x, k, &w, &mut y);
-            for (i, row) in y.chunks_exact(n).enumerate() {
-                for (j, got) in row.iter().enumerate() {
-                    let dot = |c: usize| x[i * k + c] as f64 * w[j * k + c] as f64;
-                    let want: f64 = (0..k).map(dot).sum();
-                    let err = (*got as f64 - want).abs();
-                    assert!(err < 1e-4 * (1.0 + want.abs()), "{m} rows: {got} vs {want}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn many_rows_equal_the_dequantized_f32_product() {
-        let (rows, cols, m) = (200, 576, 20);
-        let (w, x) = (data(rows * cols, 5), data(m * cols, 6));
-        for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
-            let q = QWeight::quantize(format, &w, cols).unwrap();
-            let dense = q.dequantize();
-            let mut y = vec![0f32; m * rows];
-            super::super::blocks_product(&q, &x, &mut y);
-            for i in 0..m {
-                for r in 0..rows {
-                    let want: f32 = (0..cols)
-                        .map(|c| x[i * cols + c] * dense[r * cols + c])
-                        .sum();
-                    let got = y[i * rows + r];
-                    // Without AVX2 the integer kernels run, x quantized to 8 bits.
-                    let tol = match by_gemm(m, Weights::Blocks(&q)) {
-                        true => 1e-3 * want.abs().max(1.0),
-                        false => 0.2,
-                    };
-                    assert!(
-                        (got - want).abs() <= tol,
-                        "{format:?} {i} {r}: {got} vs {want}"
-                    );
-                }
-            }
-            let mut buf = Vec::new();
-            let t = q.dequantize_transposed((3, 5), (64, 32), &mut buf);
-            assert_eq!(t[2 * 5 + 1], dense[4 * cols + 66]);
-        }
-    }
-}
+mod tests;

@@ -86,7 +86,7 @@ impl MlaAttention {
             y.reshape((b, s, h, width))?.transpose(1, 2)
         };
         let k_nope = up(w_uk, nope)?;
-        let v = cat_last(&[&up(w_uv, v)?])?;
+        let v = cat_last(&[&up(w_uv, v)?])?; // one part: a contiguous copy, row by row
         let k_pe = k_pe
             .to_dtype(act)?
             .broadcast_as((b, h, s, m.qk_rope_head_dim))?;
