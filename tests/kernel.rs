@@ -705,8 +705,13 @@ fn probe_packed() -> candle_core::Result<()> {
         (Format::Q5_0, GgmlDType::Q5_0),
         (Format::Q5_1, GgmlDType::Q5_1),
         (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),
     ] {
+        // PROBE_FORMAT=Q5K (say) probes that format alone.
+        if std::env::var("PROBE_FORMAT").is_ok_and(|f| f != format!("{format:?}")) {
+            continue;
+        }
         for (n, k) in [(1536usize, 576usize), (576, 1536), (1536, 1536)] {
             if !k.is_multiple_of(format.block_weights()) {
                 continue;
@@ -760,6 +765,7 @@ fn probe_packed_decode() -> candle_core::Result<()> {
     let (n, k) = (8192usize, 2048usize);
     for (format, ggml) in [
         (Format::Q4K, GgmlDType::Q4K),
+        (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),
         (Format::Q4_0, GgmlDType::Q4_0),
         (Format::Q8_0, GgmlDType::Q8_0),

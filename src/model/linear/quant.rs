@@ -13,7 +13,7 @@
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
 //! (`quant/kquant.rs`), against the same Q8_0 rows of x.
 //!
-//! On x86 CPUs (AVX2 and AVX-512), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K are
+//! On x86 CPUs (AVX2 and AVX-512), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are
 //! repacked at load into groups of 8 interleaved rows (`quant/packed.rs`) and every product
 //! of theirs, decode and prompt, goes through the packed kernel instead.
 //!

@@ -1,7 +1,8 @@
 //! Weights repacked at load for the kernel that reads them, as llama.cpp's CPU "repack"
-//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K rows
-//! in groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and a
-//! vector lane is a weight row (the K-quants' superblocks: [`q4k`], [`q6k`]).
+//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+//! rows in groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and
+//! a vector lane is a weight row (the K-quants' superblocks: [`q4k`], [`q5k`], [`q6k`]; Q2_K
+//! and Q3_K keep the row layout's K-quant kernels).
 //!
 //! In the row layout each dot product of 32 weights ends in a conversion, a scale and an
 //! FMA of its own, and each row in a horizontal sum: the float work outweighed the integer
@@ -76,6 +77,7 @@ pub(super) fn packs(format: Format) -> bool {
             | Format::Q5_0
             | Format::Q5_1
             | Format::Q4K
+            | Format::Q5K
             | Format::Q6K
     )
 }
@@ -306,7 +308,7 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
     }
 }
 
-// `x86` first: its `three_forms!` makes the tiles of `q4k` and `q6k` too.
+// `x86` first: its `three_forms!` makes the tiles of `q4k`, `q5k` and `q6k` too.
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 pub(super) mod x86;
@@ -314,6 +316,7 @@ pub(super) mod x86;
 mod avx512;
 mod parts;
 pub(super) mod q4k;
+pub(super) mod q5k;
 pub(super) mod q6k;
 mod superblocks;
 

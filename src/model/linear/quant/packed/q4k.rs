@@ -66,11 +66,16 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
             m[2 * p + k] = w.quants[base + 1088 + 16 * p + 2 * l + k];
         }
     }
-    // ggml's 6-bit packing (`get_scale_min_k4` read backwards).
+    ggml_scales(&sc, &m, &mut blk[4..16]);
+}
+
+/// The 8 six-bit scales and minimums in ggml's 12 bytes (`get_scale_min_k4` read
+/// backwards): Q4_K's and Q5_K's.
+pub(super) fn ggml_scales(sc: &[u8; 8], m: &[u8; 8], out: &mut [u8]) {
     for j in 0..4 {
-        blk[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
-        blk[8 + j] = m[j] | (m[j + 4] >> 4) << 6;
-        blk[12 + j] = (sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4;
+        out[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        out[4 + j] = m[j] | (m[j + 4] >> 4) << 6;
+        out[8 + j] = (sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4;
     }
 }
 

@@ -28,6 +28,7 @@ impl Superblocks {
     pub fn of(format: Format) -> Option<&'static Superblocks> {
         match format {
             Format::Q4K => Some(&super::q4k::SUPERBLOCKS),
+            Format::Q5K => Some(&super::q5k::SUPERBLOCKS),
             Format::Q6K => Some(&super::q6k::SUPERBLOCKS),
             _ => None,
         }

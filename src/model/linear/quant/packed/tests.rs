@@ -9,13 +9,14 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
 
-const FORMATS: [(Format, GgmlDType); 7] = [
+const FORMATS: [(Format, GgmlDType); 8] = [
     (Format::Q8_0, GgmlDType::Q8_0),
     (Format::Q4_0, GgmlDType::Q4_0),
     (Format::Q4_1, GgmlDType::Q4_1),
     (Format::Q5_0, GgmlDType::Q5_0),
     (Format::Q5_1, GgmlDType::Q5_1),
     (Format::Q4K, GgmlDType::Q4K),
+    (Format::Q5K, GgmlDType::Q5K),
     (Format::Q6K, GgmlDType::Q6K),
 ];
 
@@ -66,7 +67,7 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
         ];
         for (name, dot, pairs, runs) in sets {
             // No K-quant has a 16-row tile: that set would rerun the 8-row ones.
-            let rerun = pairs && matches!(q.format, Format::Q4K | Format::Q6K);
+            let rerun = pairs && matches!(q.format, Format::Q4K | Format::Q5K | Format::Q6K);
             if !runs || rerun {
                 continue;
             }
@@ -98,10 +99,11 @@ fn packing_keeps_every_weight() {
             packed.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut a),
             rowwise.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut b),
         );
-        // Padded to 16 rows: 3 rows of zeros more, nothing else (Q4_K: its scales unpacked,
-        // 148 bytes a superblock instead of ggml's 144).
+        // Padded to 16 rows: 3 rows of zeros more, nothing else (Q4_K and Q5_K: their scales
+        // unpacked, 148 and 180 bytes a superblock instead of ggml's 144 and 176).
         let per_row = match format {
             Format::Q4K => cols / 256 * 148,
+            Format::Q5K => cols / 256 * 180,
             Format::Q6K => cols / 256 * 210,
             _ => rowwise.bytes() / rows,
         };
@@ -126,7 +128,7 @@ fn packed_products_equal_the_dequantized_product() {
     for (rows, f) in [13, 21].into_iter().flat_map(|r| FORMATS.map(|f| (r, f))) {
         let format = f.0;
         let widths: &[usize] = match format {
-            Format::Q4K | Format::Q6K => &[8, 16],
+            Format::Q4K | Format::Q5K | Format::Q6K => &[8, 16],
             _ => &[1, 3, 6],
         };
         for &blocks in widths {
@@ -196,6 +198,11 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
                 &[0xFF; 128],
             ]
             .concat(),
+        ),
+        // Q5_K: every q at 31, every scale and minimum at 63.
+        (
+            Format::Q5K,
+            [&one[..], &one[..], &[0xFF; 12], &[0xFF; 32], &[0xFF; 128]].concat(),
         ),
         // Q6_K: every q at 63 and every scale at -128 (ggml's d comes last).
         (

@@ -1,0 +1,118 @@
+//! Q5_K in [`super`]'s packed layout: Q4_K's superblocks ([`super::q4k`]: 8 sub-blocks of
+//! 32 weights, a 6-bit scale `sc` and minimum `m` each, `w = d·sc·q − dmin·m`) with a fifth
+//! bit per weight, q in 0..=31, for groups of 8 rows.
+//!
+//! Per group `g` and superblock `c` (of `n` a row), at `(g · n + c)`: `scales[.. · 8 + l]`
+//! is row `8g + l`'s `d`, `mins[.. · 8 + l]` its `dmin`; `quants[.. · GROUP_BYTES ..]` holds,
+//! for each pair `p` of sub-blocks (`2p`, `2p + 1`: weights `64p..64p + 64`), 320 bytes from
+//! `320p` in the order the kernel reads them (one stream for the prefetchers, as Q6_K's):
+//! - for each `h` of 2: one load of fifth bits ([`highs_at`]), row `l`'s byte `j` at `4l + j`
+//!   holding at bit `k` the fifth bit of weight `4(4h + k) + j` of sub-block `2p` and at bit
+//!   `4 + k` that of sub-block `2p + 1`, so that a shift by one per load puts each load's bits
+//!   at bit 4; then four loads of nibbles ([`nibbles_at`], `v` = 4h .. 4h + 4), as Q4_K's:
+//!   row `l`'s ggml `qs` bytes `32p + 4v .. + 4` at `4l` (low nibbles sub-block `2p`, high
+//!   `2p + 1`).
+//!
+//! Then the scales and minimums unpacked from ggml's 12 bytes, as Q4_K's: 64 bytes from
+//! [`SCALES`], 64 from [`MINS`], per pair 16 bytes at `16p`, row `l`'s two at `2l`, `2l + 1`.
+//! 180 bytes a row's superblock against ggml's 176 (the scales unpacked).
+
+use super::super::kquant::{scale_min_k4, QK_K};
+use super::super::QWeight;
+use super::superblocks::Superblocks;
+use super::ROWS;
+use half::f16;
+
+/// Bytes of one group's superblock in `quants`.
+pub(super) const GROUP_BYTES: usize = ROWS * (QK_K / 2 + QK_K / 8 + 16);
+
+/// Where the scales and the minimums start in a group's superblock.
+pub(super) const SCALES: usize = 4 * 320;
+pub(super) const MINS: usize = SCALES + 64;
+
+// The pairs' 320 bytes, then 128 of scales and minimums, tile the superblock exactly.
+const _: () = assert!(nibbles_at(3, 7) + 32 == SCALES && MINS + 64 == GROUP_BYTES);
+
+/// Where pair `p`'s load `h` (of 2) of fifth bits is.
+pub(super) const fn highs_at(p: usize, h: usize) -> usize {
+    320 * p + 160 * h
+}
+
+/// Where pair `p`'s load `v` (of 8) of nibbles is.
+pub(super) const fn nibbles_at(p: usize, v: usize) -> usize {
+    highs_at(p, v / 4) + 32 + 32 * (v % 4)
+}
+
+/// Q5_K's packed form.
+pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
+    ggml: 176,
+    group_bytes: GROUP_BYTES,
+    dmin: true,
+    put,
+    get,
+};
+
+/// ggml's superblock `blk` (d, dmin, 12 bytes of scales, 32 of fifth bits `qh`, 128 of
+/// nibbles `qs`) as lane `l` of unit `u`.
+fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
+    let half = |at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]);
+    out.scales[u * ROWS + l] = half(0);
+    out.mins[u * ROWS + l] = half(2);
+    let sm = scale_min_k4(blk[4..16].try_into().expect("12 bytes"));
+    let qh = &blk[16..48];
+    let base = u * GROUP_BYTES;
+    for p in 0..4 {
+        for v in 0..8 {
+            let to = base + nibbles_at(p, v) + 4 * l;
+            let from = 48 + 32 * p + 4 * v;
+            out.quants[to..to + 4].copy_from_slice(&blk[from..from + 4]);
+        }
+        for h in 0..2 {
+            for j in 0..4 {
+                let mut byte = 0u8;
+                for k in 0..4 {
+                    let q = qh[4 * (4 * h + k) + j] >> (2 * p);
+                    byte |= (q & 1) << k | (q >> 1 & 1) << (4 + k);
+                }
+                out.quants[base + highs_at(p, h) + 4 * l + j] = byte;
+            }
+        }
+        for k in 0..2 {
+            out.quants[base + SCALES + 16 * p + 2 * l + k] = sm[2 * p + k];
+            out.quants[base + MINS + 16 * p + 2 * l + k] = sm[8 + 2 * p + k];
+        }
+    }
+}
+
+/// ggml's 176 bytes of lane `l` of unit `u`, into `blk`.
+fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
+    let base = u * GROUP_BYTES;
+    blk[..2].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
+    blk[2..4].copy_from_slice(&w.mins[u * ROWS + l].to_le_bytes());
+    blk[16..48].fill(0);
+    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
+    for p in 0..4 {
+        for v in 0..8 {
+            let from = base + nibbles_at(p, v) + 4 * l;
+            let to = 48 + 32 * p + 4 * v;
+            blk[to..to + 4].copy_from_slice(&w.quants[from..from + 4]);
+        }
+        for h in 0..2 {
+            for j in 0..4 {
+                let byte = w.quants[base + highs_at(p, h) + 4 * l + j];
+                for k in 0..4 {
+                    let bits = (byte >> k & 1) | (byte >> (4 + k) & 1) << 1;
+                    blk[16 + 4 * (4 * h + k) + j] |= bits << (2 * p);
+                }
+            }
+        }
+        for k in 0..2 {
+            sc[2 * p + k] = w.quants[base + SCALES + 16 * p + 2 * l + k];
+            m[2 * p + k] = w.quants[base + MINS + 16 * p + 2 * l + k];
+        }
+    }
+    super::q4k::ggml_scales(&sc, &m, &mut blk[4..16]);
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86;
