@@ -17,21 +17,21 @@ const PREFETCH_AHEAD: usize = 2048;
 /// caller's slice passes once, from memory, through a tile.
 const M_BLOCK: usize = 64;
 
-/// A tiled kernel. `$tile::<NR, MR>` keeps NR weight rows × MR x rows of sums in
+/// A tiled kernel. `$tile::<MR>` keeps 4 weight rows × MR x rows of sums in
 /// registers: each step loads `$elems` weights of every weight row once (`$load_w`) and
 /// the same columns of every x row once (`$load_x`), and multiplies all pairs (`$mac`).
-/// The sums are reduced across lanes by `$reduce4` (four at once) or `$reduce`, and the last
+/// The sums are reduced across lanes by `$reduce4`, four at once, and the last
 /// `k % $elems` columns go to `$tail`. `$gemm` covers x and w with tiles of
 /// at most 4 × `$mr`, and one row of x (decode) a weight row at a time (`$row`).
 macro_rules! tiled {
     ($gemm:ident, $tile:ident, $row:ident, $xty:ty, $wty:ty, $feat:literal, $elems:expr, $mr:expr,
      $acc_zero:expr, $w_zero:expr, $load_x:ident, $load_w:ident, $mac:ident,
-     $reduce:ident, $reduce4:ident, $tail:ident) => {
+     $reduce4:ident, $tail:ident) => {
         /// # Safety
-        /// As for `super::rows_f32_strided`, and `n + NR`, `m + MR` are within w and x.
+        /// As for `super::rows_f32_strided`, and `n + 4`, `m + MR` are within w and x.
         #[target_feature(enable = $feat)]
         #[allow(clippy::needless_range_loop)] // const-bound index loops become registers
-        unsafe fn $tile<const NR: usize, const MR: usize>(
+        unsafe fn $tile<const MR: usize>(
             x: &[$xty],
             k: usize,
             w: &[$wty],
@@ -39,12 +39,9 @@ macro_rules! tiled {
             y: *mut f32,
             ldy: usize,
         ) {
+            const NR: usize = 4;
             let body = k - k % $elems;
             let (xp, wp) = (x.as_ptr(), w.as_ptr());
-            if NR == 1 && MR == 1 {
-                // SAFETY: the caller's, for one row of each.
-                return unsafe { $row(x, k, w, (n, m), y, ldy) };
-            }
             let mut acc = [[$acc_zero; MR]; NR];
             let mut wv = [$w_zero; NR];
             let mut i = 0;
@@ -62,18 +59,11 @@ macro_rules! tiled {
                 }
                 i += $elems;
             }
-            // The NR sums of one x row are neighbours in y: four reduce together. (`a % NR`
-            // keeps the indices in bounds in the NR = 1 instance, where this is not taken.)
+            // The 4 sums of one x row are neighbours in y: they reduce together.
             for b in 0..MR {
-                let mut sums = [0f32; 4];
-                if NR == 4 {
-                    let r = |a: usize| acc[a % NR][b];
-                    _mm_storeu_ps(sums.as_mut_ptr(), $reduce4(r(0), r(1), r(2), r(3)));
-                } else {
-                    for a in 0..NR {
-                        sums[a] = $reduce(acc[a][b]);
-                    }
-                }
+                let mut sums = [0f32; NR];
+                let r = |a: usize| acc[a][b];
+                _mm_storeu_ps(sums.as_mut_ptr(), $reduce4(r(0), r(1), r(2), r(3)));
                 for a in 0..NR {
                     if body < k {
                         let xr = &x[(m + b) * k..(m + b + 1) * k];
@@ -89,7 +79,7 @@ macro_rules! tiled {
         /// the multiply-adds' latency does not bound the read of the one stream.
         ///
         /// # Safety
-        /// As `$tile::<1, 1>`.
+        /// As `$tile`, for weight row `n` and x row `m`.
         #[target_feature(enable = $feat)]
         unsafe fn $row(
             x: &[$xty],
@@ -135,11 +125,12 @@ macro_rules! tiled {
                 let mut n = 0;
                 while n < rows_w {
                     let mut m = m0;
-                    // SAFETY (every call): n + NR <= rows_w and m + MR <= m1 <= rows_x.
-                    // One row of x (decode): a weight row at a time, one stream read in
-                    // order (Zen 4, SmolLM2-135M decode, 1 thread: bf16 37.5 against 53.9
-                    // tok/s with four rows at once, the hardware prefetcher following four
-                    // short streams; see `$row`).
+                    // SAFETY (every call): n + 4 <= rows_w and m + MR <= m1 <= rows_x, or
+                    // row n of w and row m of x for `$row`.
+                    // One row of x (decode) goes a weight row at a time, one stream read in
+                    // order: with four rows at once the hardware prefetcher followed four
+                    // short streams badly (Zen 4, SmolLM2-135M bf16 decode, 1 thread: 43
+                    // tok/s through the 4-row tile, 76 through `$row`).
                     if n + 4 <= rows_w && rows_x > 1 {
                         // Tiles of $mr x rows; nine rows (MLA's heads over one latent) as
                         // 3 + 3 + 3 rather than 4 + 4 + 1, and a tail of 2 or 3 in one tile.
@@ -152,17 +143,17 @@ macro_rules! tiled {
                                 left => left.min(2),
                             };
                             match step {
-                                3 => $tile::<4, 3>(x, k, w, (n, m), y, ldy),
-                                2 => $tile::<4, 2>(x, k, w, (n, m), y, ldy),
-                                1 => $tile::<4, 1>(x, k, w, (n, m), y, ldy),
-                                _ => $tile::<4, $mr>(x, k, w, (n, m), y, ldy),
+                                3 => $tile::<3>(x, k, w, (n, m), y, ldy),
+                                2 => $tile::<2>(x, k, w, (n, m), y, ldy),
+                                1 => $tile::<1>(x, k, w, (n, m), y, ldy),
+                                _ => $tile::<$mr>(x, k, w, (n, m), y, ldy),
                             }
                             m += step;
                         }
                         n += 4;
                     } else {
                         for m in m..m1 {
-                            $tile::<1, 1>(x, k, w, (n, m), y, ldy);
+                            $row(x, k, w, (n, m), y, ldy);
                         }
                         n += 1;
                     }
@@ -289,12 +280,6 @@ fn mac256_pairs(acc: __m256, (lo, hi): (__m256, __m256), (ev, od): (__m256, __m2
     _mm256_fmadd_ps(hi, od, _mm256_fmadd_ps(lo, ev, acc))
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-#[inline]
-fn sum512(v: __m512) -> f32 {
-    _mm512_reduce_add_ps(v)
-}
-
 /// The lane sums of four vectors, as one: `[Σa, Σb, Σc, Σd]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
@@ -324,38 +309,29 @@ fn sum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
 }
 
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-fn sum256(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
-}
-
 // AVX-512 tiles are 4 × 4 (16 sums, 4 or 8 weight registers, 1 or 2 for x, of 32).
 // AVX2 tiles are 4 × 2 (8 sums, 4 weight registers, 1 or 2 for x, of 16): on the Zen 3 host
 // a 4 × 3 tile spills and ran slower than 4 × 1, 4 × 2 ran 1.3-2× faster than 4 × 1 at 4-40
 // rows of x (Qwen2.5-1.5B's matrices). Prompts of many rows go to `prefill` instead.
 #[rustfmt::skip]
-tiled!(f32_avx512, tile_f32_avx512, row_f32_avx512, f32, f32, "avx512f,avx512bw,avx512vl", 16, 4,
-    _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32, sum512,
+tiled!(f32_avx512, tile_f32_avx512, row_f32_avx512, f32, f32, "avx512f,avx512bw,avx512vl",
+    16, 4, _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32,
     sum4_512, dot_f32);
 #[rustfmt::skip]
-tiled!(bf16_avx512, tile_bf16_avx512, row_bf16_avx512, f32, u16, "avx512f,avx512bw,avx512vl", 32, 4,
-    _mm512_setzero_ps(), (_mm512_setzero_ps(), _mm512_setzero_ps()), x512_pairs,
-    w512_pairs, mac512_pairs, sum512, sum4_512, dot_bf16);
+tiled!(bf16_avx512, tile_bf16_avx512, row_bf16_avx512, f32, u16, "avx512f,avx512bw,avx512vl",
+    32, 4, _mm512_setzero_ps(), (_mm512_setzero_ps(), _mm512_setzero_ps()), x512_pairs,
+    w512_pairs, mac512_pairs, sum4_512, dot_bf16);
 #[rustfmt::skip]
-tiled!(bf16_dot_avx512, tile_bf16_dot_avx512, row_bf16_dot_avx512, u16, u16, "avx512f,avx512bw,avx512vl,avx512bf16",
-    32, 4, _mm512_setzero_ps(), zero512_bf16(), x512_bf16, w512_bf16,
-    mac512_bf16, sum512, sum4_512, dot_bf16_pairs);
+tiled!(bf16_dot_avx512, tile_bf16_dot_avx512, row_bf16_dot_avx512, u16, u16,
+    "avx512f,avx512bw,avx512vl,avx512bf16", 32, 4, _mm512_setzero_ps(), zero512_bf16(),
+    x512_bf16, w512_bf16, mac512_bf16, sum4_512, dot_bf16_pairs);
 #[rustfmt::skip]
 tiled!(f32_avx2, tile_f32_avx2, row_f32_avx2, f32, f32, "avx2,fma", 8, 2,
-    _mm256_setzero_ps(), _mm256_setzero_ps(), x256_f32, w256_f32, mac256_f32, sum256,
+    _mm256_setzero_ps(), _mm256_setzero_ps(), x256_f32, w256_f32, mac256_f32,
     sum4_256, dot_f32);
 #[rustfmt::skip]
 tiled!(bf16_avx2, tile_bf16_avx2, row_bf16_avx2, f32, u16, "avx2,fma", 16, 2,
     _mm256_setzero_ps(), (_mm256_setzero_ps(), _mm256_setzero_ps()), x256_pairs,
-    w256_pairs, mac256_pairs, sum256, sum4_256, dot_bf16);
+    w256_pairs, mac256_pairs, sum4_256, dot_bf16);
 
 mod bf16;

@@ -2,8 +2,8 @@
 //! and AVX-VNNI: per group of 8 weight rows and block of 32 columns, the integer sums of the
 //! 8 rows are one vector, for `RX` rows of x at once.
 //!
-//! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k` and
-//! `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
+//! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`, `q5k`
+//! and `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
