@@ -20,6 +20,15 @@ use half::f16;
 /// Bytes of one group's superblock in `quants`.
 pub(super) const GROUP_BYTES: usize = ROWS * (QK_K / 2 + 16);
 
+/// Where the scales and the minimums start in a group's superblock.
+pub(super) const SCALES: usize = 1024;
+pub(super) const MINS: usize = SCALES + 64;
+
+/// Where pair `p`'s load `v` (of 8) of nibbles is.
+pub(super) const fn nibbles_at(p: usize, v: usize) -> usize {
+    (8 * p + v) * 32
+}
+
 /// Q4_K's packed form.
 pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
     ggml: 144,
@@ -38,15 +47,36 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
     let base = u * GROUP_BYTES;
     for p in 0..4 {
         for v in 0..8 {
-            let to = base + (8 * p + v) * 32 + 4 * l;
+            let to = base + nibbles_at(p, v) + 4 * l;
             let from = 16 + 32 * p + 4 * v;
             out.quants[to..to + 4].copy_from_slice(&blk[from..from + 4]);
         }
+    }
+    put_scales(&mut out.quants[base..], (SCALES, MINS), l, &sm);
+}
+
+/// Row `l`'s 8 scales and 8 minimums (`sm`, unpacked) into a group's superblock `group` at
+/// `at` (scales, minimums): per pair of sub-blocks 16 bytes, the row's two at `2l`. Q4_K's
+/// layout and Q5_K's.
+pub(super) fn put_scales(group: &mut [u8], at: (usize, usize), l: usize, sm: &[u8; 16]) {
+    for p in 0..4 {
         for k in 0..2 {
-            out.quants[base + 1024 + 16 * p + 2 * l + k] = sm[2 * p + k];
-            out.quants[base + 1088 + 16 * p + 2 * l + k] = sm[8 + 2 * p + k];
+            group[at.0 + 16 * p + 2 * l + k] = sm[2 * p + k];
+            group[at.1 + 16 * p + 2 * l + k] = sm[8 + 2 * p + k];
         }
     }
+}
+
+/// [`put_scales`] read back: row `l`'s 8 scales and minimums in ggml's 12 bytes (`out`).
+pub(super) fn get_scales(group: &[u8], at: (usize, usize), l: usize, out: &mut [u8]) {
+    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
+    for p in 0..4 {
+        for k in 0..2 {
+            sc[2 * p + k] = group[at.0 + 16 * p + 2 * l + k];
+            m[2 * p + k] = group[at.1 + 16 * p + 2 * l + k];
+        }
+    }
+    ggml_scales(&sc, &m, out);
 }
 
 /// ggml's 144 bytes of lane `l` of unit `u`, into `blk`.
@@ -54,24 +84,19 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
     let base = u * GROUP_BYTES;
     blk[..2].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
     blk[2..4].copy_from_slice(&w.mins[u * ROWS + l].to_le_bytes());
-    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for p in 0..4 {
         for v in 0..8 {
-            let from = base + (8 * p + v) * 32 + 4 * l;
+            let from = base + nibbles_at(p, v) + 4 * l;
             let to = 16 + 32 * p + 4 * v;
             blk[to..to + 4].copy_from_slice(&w.quants[from..from + 4]);
         }
-        for k in 0..2 {
-            sc[2 * p + k] = w.quants[base + 1024 + 16 * p + 2 * l + k];
-            m[2 * p + k] = w.quants[base + 1088 + 16 * p + 2 * l + k];
-        }
     }
-    ggml_scales(&sc, &m, &mut blk[4..16]);
+    get_scales(&w.quants[base..], (SCALES, MINS), l, &mut blk[4..16]);
 }
 
 /// The 8 six-bit scales and minimums in ggml's 12 bytes (`get_scale_min_k4` read
 /// backwards): Q4_K's and Q5_K's.
-pub(super) fn ggml_scales(sc: &[u8; 8], m: &[u8; 8], out: &mut [u8]) {
+fn ggml_scales(sc: &[u8; 8], m: &[u8; 8], out: &mut [u8]) {
     for j in 0..4 {
         out[j] = sc[j] | (sc[j + 4] >> 4) << 6;
         out[4 + j] = m[j] | (m[j + 4] >> 4) << 6;

@@ -15,10 +15,12 @@
 //!
 //! Then the scales and minimums unpacked from ggml's 12 bytes, as Q4_K's: 64 bytes from
 //! [`SCALES`], 64 from [`MINS`], per pair 16 bytes at `16p`, row `l`'s two at `2l`, `2l + 1`.
-//! 180 bytes a row's superblock against ggml's 176 (the scales unpacked).
+//! 180 bytes a row's superblock against ggml's 176 (the scales unpacked). The kernel is
+//! Q4_K's tile with its fifth bits (`q4k/x86.rs`).
 
 use super::super::kquant::{scale_min_k4, QK_K};
 use super::super::QWeight;
+use super::q4k::{get_scales, put_scales};
 use super::superblocks::Superblocks;
 use super::ROWS;
 use half::f16;
@@ -77,11 +79,8 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
                 out.quants[base + highs_at(p, h) + 4 * l + j] = byte;
             }
         }
-        for k in 0..2 {
-            out.quants[base + SCALES + 16 * p + 2 * l + k] = sm[2 * p + k];
-            out.quants[base + MINS + 16 * p + 2 * l + k] = sm[8 + 2 * p + k];
-        }
     }
+    put_scales(&mut out.quants[base..], (SCALES, MINS), l, &sm);
 }
 
 /// ggml's 176 bytes of lane `l` of unit `u`, into `blk`.
@@ -90,7 +89,6 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
     blk[..2].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
     blk[2..4].copy_from_slice(&w.mins[u * ROWS + l].to_le_bytes());
     blk[16..48].fill(0);
-    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for p in 0..4 {
         for v in 0..8 {
             let from = base + nibbles_at(p, v) + 4 * l;
@@ -106,13 +104,6 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
                 }
             }
         }
-        for k in 0..2 {
-            sc[2 * p + k] = w.quants[base + SCALES + 16 * p + 2 * l + k];
-            m[2 * p + k] = w.quants[base + MINS + 16 * p + 2 * l + k];
-        }
     }
-    super::q4k::ggml_scales(&sc, &m, &mut blk[4..16]);
+    get_scales(&w.quants[base..], (SCALES, MINS), l, &mut blk[4..16]);
 }
-
-#[cfg(target_arch = "x86_64")]
-pub(super) mod x86;

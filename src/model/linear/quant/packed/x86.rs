@@ -2,8 +2,8 @@
 //! and AVX-VNNI: per group of 8 weight rows and block of 32 columns, the integer sums of the
 //! 8 rows are one vector, for `RX` rows of x at once.
 //!
-//! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`, `q5k`
-//! and `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
+//! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`'s (Q4_K
+//! and Q5_K) and `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
@@ -190,14 +190,20 @@ pub(super) unsafe fn rows_with(
 /// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 32-weight
 /// formats' 16-row ones where `pairs` (with [`EVEX`] only).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
-    use super::{q4k::x86 as q4k, q5k::x86 as q5k, q6k::x86 as q6k};
+    use super::{q4k::x86 as q4k, q6k::x86 as q6k};
     let (rx, one): (Tile, Tile) = match (format, dot) {
-        (Format::Q4K, EVEX) => (q4k::tile_vnni::<RX>, q4k::tile_vnni::<1>),
-        (Format::Q4K, VEX) => (q4k::tile_avx_vnni::<RX>, q4k::tile_avx_vnni::<1>),
-        (Format::Q4K, _) => (q4k::tile::<RX>, q4k::tile::<1>),
-        (Format::Q5K, EVEX) => (q5k::tile_vnni::<RX>, q5k::tile_vnni::<1>),
-        (Format::Q5K, VEX) => (q5k::tile_avx_vnni::<RX>, q5k::tile_avx_vnni::<1>),
-        (Format::Q5K, _) => (q5k::tile::<RX>, q5k::tile::<1>),
+        (Format::Q4K, EVEX) => (q4k::tile_vnni::<RX, false>, q4k::tile_vnni::<1, false>),
+        (Format::Q4K, VEX) => (
+            q4k::tile_avx_vnni::<RX, false>,
+            q4k::tile_avx_vnni::<1, false>,
+        ),
+        (Format::Q4K, _) => (q4k::tile::<RX, false>, q4k::tile::<1, false>),
+        (Format::Q5K, EVEX) => (q4k::tile_vnni::<RX, true>, q4k::tile_vnni::<1, true>),
+        (Format::Q5K, VEX) => (
+            q4k::tile_avx_vnni::<RX, true>,
+            q4k::tile_avx_vnni::<1, true>,
+        ),
+        (Format::Q5K, _) => (q4k::tile::<RX, true>, q4k::tile::<1, true>),
         (Format::Q6K, EVEX) => (q6k::tile_vnni::<RX>, q6k::tile_vnni::<1>),
         (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX>, q6k::tile_avx_vnni::<1>),
         (Format::Q6K, _) => (q6k::tile::<RX>, q6k::tile::<1>),

@@ -1,38 +1,44 @@
 //! [`super`]'s kernel on AVX2, AVX-512 VNNI and AVX-VNNI: the packed kernel's tile
-//! (`packed/x86.rs`) for Q4_K.
+//! (`packed/x86.rs`) for Q4_K, and for Q5_K (Q4_K's with a fifth bit per weight).
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::q5k;
 use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
-use super::GROUP_BYTES;
+use super::{nibbles_at, GROUP_BYTES, MINS, SCALES};
 use std::arch::x86_64::*;
 
-three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize>);
+three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize, const FIFTH: bool>);
 
-/// The packed kernel's tile for Q4_K: per pair of sub-blocks, 8 loads of nibbles whose low
-/// halves are the first sub-block and high halves the second, each summed in 16 bits by
-/// `maddubs` (at most 8 · 2 · 15 · 127 = 30,480), then to 32 bits by `madd` with the 8
-/// rows' 6-bit scales of the sub-block (in both halves of each lane, by a byte shuffle); the
-/// minimums by one `madd` per pair of the rows' two `m` against x's two sub-block sums.
+/// The packed kernel's tile for Q4_K, and with `FIFTH` for Q5_K (`q5k.rs`'s layout): per
+/// pair of sub-blocks, 8 loads of nibbles whose low halves are the first sub-block and high
+/// halves the second. Q5_K's load of fifth bits serves the next four loads of nibbles:
+/// shifted right by one more each time, its bits `k` (of the pair's first sub-block, after a
+/// first shift left by 4) and `4 + k` (of the second) reach bit 4 of the nibble bytes, where
+/// a mask and an `or` put them (16-bit shifts: bit 4 of each byte comes from its own byte,
+/// as k < 4). On AVX2, `maddubs` sums in 16 bits (Q4_K over 8 loads: at most 8 · 2 · 15 · 127
+/// = 30,480; Q5_K over 4: 4 · 2 · 31 · 127 = 31,496), then `madd` with the 8 rows' 6-bit
+/// scales of the sub-block (in both halves of each lane, by a byte shuffle) into 32 bits;
+/// the minimums by one `madd` per pair of the rows' two `m` against x's two sub-block sums.
 /// Then `d · dx` and `dmin · dx`, once per superblock (x has one scale per superblock
 /// against a K-quant).
 ///
 /// With VNNI (`V` is `EVEX` or `VEX`) each sub-block's products are summed straight into
-/// 32-bit lanes by `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 15 · 127 = 60,960),
+/// 32-bit lanes by `vpdpbusd` (8 loads of 4 bytes a row: at most 32 · 31 · 127 = 125,984),
 /// then multiplied by the rows' 6-bit scale (`vpmulld`), in place of `maddubs`, a 16-bit add
 /// per load and the `madd` by the scales. The body of `tile`, `tile_vnni` and
 /// `tile_avx_vnni` (`three_forms!`).
 ///
 /// # Safety
-/// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q4_K and its
-/// planes fit its shape (`Superblocks::fits`); group `g` and rows `i0..i0 + R` of x (of
-/// `w`'s width) exist; `y` is valid for writes at
+/// The CPU runs AVX2, FMA and F16C, and the VNNI that `V` names; `w` is packed Q4_K (Q5_K
+/// with `FIFTH`) and its planes fit its shape (`Superblocks::fits`); group `g` and rows
+/// `i0..i0 + R` of x (of `w`'s width) exist; `y` is valid for writes at
 /// `(i0 + j) · w.rows + r` for j < R and the group's real rows r, which nothing else
 /// touches meanwhile.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn tile_in<const R: usize, const V: u8>(
+unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
     w: &QWeight,
     g: usize,
     x: &QRows,
@@ -43,7 +49,12 @@ unsafe fn tile_in<const R: usize, const V: u8>(
     // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
-    let low = _mm256_set1_epi8(0x0F);
+    // The format's layout of a group's superblock.
+    let (group_bytes, scales_at, mins_at): (usize, usize, usize) = match FIFTH {
+        true => (q5k::GROUP_BYTES, q5k::SCALES, q5k::MINS),
+        false => (GROUP_BYTES, SCALES, MINS),
+    };
+    let (low, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
     // Per 32-bit lane, its first (second) 16-bit value twice.
     let (first, second) = (
         _mm256_setr_epi8(
@@ -59,56 +70,28 @@ unsafe fn tile_in<const R: usize, const V: u8>(
     for c in 0..n {
         let u = g * n + c;
         // SAFETY (every weight load below): superblock u holds 8 scales and minimums from
-        // u · 8 and GROUP_BYTES of quants from u · GROUP_BYTES (`Superblocks::fits`); x's rows
-        // i0..i0 + R hold n superblocks.
+        // u · 8 and group_bytes of quants from u · group_bytes (`Superblocks::fits`); x's
+        // rows i0..i0 + R hold n superblocks.
         let (d, dmin, base) = unsafe {
             (
                 half8(w.scales.as_ptr().add(u * ROWS)),
                 half8(w.mins.as_ptr().add(u * ROWS)),
-                w.quants.as_ptr().add(u * GROUP_BYTES),
+                w.quants.as_ptr().add(u * group_bytes),
             )
         };
         let xs = x_rows::<R>(x, i0, c * QK_K);
         let mut isum = [_mm256_setzero_si256(); R];
         let mut msum = [_mm256_setzero_si256(); R];
         for p in 0..4 {
-            // AVX2: 16-bit sums per sub-block; VNNI: 32-bit ones.
-            let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
-            for v in 0..8 {
-                // SAFETY: see above.
-                let raw =
-                    unsafe { _mm256_loadu_si256(base.add((8 * p + v) * 32) as *const __m256i) };
-                let lo = _mm256_and_si256(raw, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                for j in 0..R {
-                    // SAFETY: 4 bytes at 64p + 4v and 64p + 32 + 4v < 256 of x's superblock.
-                    let (xl, xh) = unsafe {
-                        (
-                            bcast(xs[j].add(64 * p + 4 * v)),
-                            bcast(xs[j].add(64 * p + 32 + 4 * v)),
-                        )
-                    };
-                    if V != MADD {
-                        // SAFETY: the CPU has the VNNI that V names (`tile_vnni`, `tile_avx_vnni`).
-                        unsafe {
-                            s_lo[j] = dpbusd::<V>(s_lo[j], lo, xl);
-                            s_hi[j] = dpbusd::<V>(s_hi[j], hi, xh);
-                        }
-                    } else {
-                        s_lo[j] = _mm256_add_epi16(s_lo[j], _mm256_maddubs_epi16(lo, xl));
-                        s_hi[j] = _mm256_add_epi16(s_hi[j], _mm256_maddubs_epi16(hi, xh));
-                    }
-                }
-            }
             // SAFETY: 16 bytes of scales and of minimums of pair p, within the superblock.
             let (sc, mp) = unsafe {
                 (
-                    _mm256_cvtepu8_epi16(
-                        _mm_loadu_si128(base.add(1024 + 16 * p) as *const __m128i),
-                    ),
-                    _mm256_cvtepu8_epi16(
-                        _mm_loadu_si128(base.add(1088 + 16 * p) as *const __m128i),
-                    ),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                        base.add(scales_at + 16 * p) as *const __m128i
+                    )),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                        base.add(mins_at + 16 * p) as *const __m128i
+                    )),
                 )
             };
             let (sc_lo, sc_hi) = (
@@ -120,18 +103,76 @@ unsafe fn tile_in<const R: usize, const V: u8>(
                 _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)),
                 _mm256_srli_epi32(sc, 16),
             );
+            // AVX2: 16-bit sums per sub-block; VNNI: 32-bit ones.
+            let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
+            for h in 0..2 {
+                // Q5_K: the fifth bits of loads 4h .. 4h + 4.
+                let (mut a, mut b) = match FIFTH {
+                    true => {
+                        // SAFETY: see above.
+                        let bits = unsafe {
+                            _mm256_loadu_si256(base.add(q5k::highs_at(p, h)) as *const __m256i)
+                        };
+                        (_mm256_slli_epi16(bits, 4), bits)
+                    }
+                    false => (_mm256_setzero_si256(), _mm256_setzero_si256()),
+                };
+                for k in 0..4 {
+                    let v = 4 * h + k;
+                    let at = match FIFTH {
+                        true => q5k::nibbles_at(p, v),
+                        false => nibbles_at(p, v),
+                    };
+                    // SAFETY: see above.
+                    let raw = unsafe { _mm256_loadu_si256(base.add(at) as *const __m256i) };
+                    let mut lo = _mm256_and_si256(raw, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    if FIFTH {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(a, fifth));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(b, fifth));
+                        (a, b) = (_mm256_srli_epi16(a, 1), _mm256_srli_epi16(b, 1));
+                    }
+                    for j in 0..R {
+                        // SAFETY: 4 bytes at 64p + 4v and 64p + 32 + 4v < 256 of x's
+                        // superblock.
+                        let (xl, xh) = unsafe {
+                            (
+                                bcast(xs[j].add(64 * p + 4 * v)),
+                                bcast(xs[j].add(64 * p + 32 + 4 * v)),
+                            )
+                        };
+                        if V != MADD {
+                            // SAFETY: the CPU has the VNNI that V names.
+                            unsafe {
+                                s_lo[j] = dpbusd::<V>(s_lo[j], lo, xl);
+                                s_hi[j] = dpbusd::<V>(s_hi[j], hi, xh);
+                            }
+                        } else {
+                            s_lo[j] = _mm256_add_epi16(s_lo[j], _mm256_maddubs_epi16(lo, xl));
+                            s_hi[j] = _mm256_add_epi16(s_hi[j], _mm256_maddubs_epi16(hi, xh));
+                        }
+                    }
+                }
+                // AVX2: to 32 bits by the scales after 8 loads (Q5_K: after every 4).
+                if V == MADD && (FIFTH || h == 1) {
+                    for j in 0..R {
+                        let both = _mm256_add_epi32(
+                            _mm256_madd_epi16(s_lo[j], sc_lo),
+                            _mm256_madd_epi16(s_hi[j], sc_hi),
+                        );
+                        isum[j] = _mm256_add_epi32(isum[j], both);
+                        (s_lo[j], s_hi[j]) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    }
+                }
+            }
             for j in 0..R {
-                let both = match V != MADD {
-                    true => _mm256_add_epi32(
+                if V != MADD {
+                    let both = _mm256_add_epi32(
                         _mm256_mullo_epi32(s_lo[j], sc0),
                         _mm256_mullo_epi32(s_hi[j], sc1),
-                    ),
-                    false => _mm256_add_epi32(
-                        _mm256_madd_epi16(s_lo[j], sc_lo),
-                        _mm256_madd_epi16(s_hi[j], sc_hi),
-                    ),
-                };
-                isum[j] = _mm256_add_epi32(isum[j], both);
+                    );
+                    isum[j] = _mm256_add_epi32(isum[j], both);
+                }
                 // SAFETY: sub-blocks 8c + 2p and 8c + 2p + 1 of row i0 + j of x.
                 let xsum = unsafe {
                     bcast(x.isums32.as_ptr().add((i0 + j) * nb + 8 * c + 2 * p) as *const u8)
