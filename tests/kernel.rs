@@ -162,7 +162,7 @@ fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
 #[test]
 fn row_kernels_match_f64_reference() {
     // One row (decode), a few (tile tails), and more than a 64-row block (prefill).
-    for (rows, (n, k)) in [1, 3, 5, 6, 9, 70]
+    for (rows, (n, k)) in [1, 2, 3, 4, 5, 6, 9, 70]
         .into_iter()
         .flat_map(|m| SHAPES.map(|s| (m, s)))
     {
@@ -444,18 +444,33 @@ fn probe_bandwidth_and_overhead() -> candle_core::Result<()> {
 #[ignore]
 fn probe_rows_throughput() -> candle_core::Result<()> {
     let dev = Device::Cpu;
+    // SmolLM-135M's shapes, then Qwen2.5-1.5B's MLP (the bulk of its prefill), or the
+    // shapes of PROBE_SHAPES ("m,n,k;m,n,k"), in PROBE_DTYPE (F32 or BF16) alone if set.
+    let mut shapes = vec![
+        (32, 1536, 576),
+        (64, 1536, 576),
+        (256, 1536, 576),
+        (64, 576, 1536),
+        (4, 8960, 1536),
+        (40, 8960, 1536),
+        (512, 8960, 1536),
+        (40, 1536, 8960),
+    ];
+    if let Ok(spec) = std::env::var("PROBE_SHAPES") {
+        let dim = |d: &str| d.trim().parse::<usize>().expect("PROBE_SHAPES: m,n,k;...");
+        shapes = spec
+            .split(';')
+            .map(|s| match s.split(',').map(dim).collect::<Vec<_>>()[..] {
+                [m, n, k] => (m, n, k),
+                _ => panic!("PROBE_SHAPES: {s} is not m,n,k"),
+            })
+            .collect();
+    }
     for dtype in [DType::F32, DType::BF16] {
-        // SmolLM-135M's shapes, then Qwen2.5-1.5B's MLP (the bulk of its prefill).
-        for (m, n, k) in [
-            (32, 1536, 576),
-            (64, 1536, 576),
-            (256, 1536, 576),
-            (64, 576, 1536),
-            (4, 8960, 1536),
-            (40, 8960, 1536),
-            (512, 8960, 1536),
-            (40, 1536, 8960),
-        ] {
+        if std::env::var("PROBE_DTYPE").is_ok_and(|d| d != format!("{dtype:?}")) {
+            continue;
+        }
+        for &(m, n, k) in &shapes {
             let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.to_dtype(dtype)?;
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;
             let mut best = [f64::MAX; 2];

@@ -1,7 +1,8 @@
 //! The product `y = x · Wᵀ` for a prompt chunk of many rows of x on AVX2 (+ FMA), where the
-//! registers hold a tile of only 2 rows of x (AVX-512 holds 4 and reads W once per 64 rows,
-//! `simd::tiles_rows`), and for f32 prompts of 128 rows and more on AVX-512, where `gemm`'s
-//! AVX-512 micro-kernels beat that tile ([`F32_GEMM_ROWS_AVX512`]).
+//! registers hold a tile of only 2 rows of x (AVX-512 holds 6 and reads W once per 64 rows,
+//! `simd::tiles_rows`), and for f32 prompts of 128 rows and more on CPUs whose AVX-512 units
+//! are 512 bits wide, where `gemm`'s AVX-512 micro-kernels beat that tile
+//! ([`F32_GEMM_ROWS_AVX512`]).
 //!
 //! Why: without it, prompt products went to candle's CPU matmul, which has no bf16 kernel
 //! and widens the whole weight matrix into a new f32 buffer, on one thread, on every call
@@ -36,7 +37,7 @@
 mod widen;
 
 use super::quant::{self, QWeight};
-use super::simd::{Isa, IsaKind};
+use super::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
 use gemm::{gemm, Parallelism};
 use std::cell::RefCell;
@@ -50,11 +51,16 @@ const BLOCK_K: usize = 512;
 /// From this many rows of x, f32 products go to `gemm`, and bf16 from [`BF16_GEMM_ROWS`].
 const F32_GEMM_ROWS: usize = 17;
 const BF16_GEMM_ROWS: usize = 32;
-/// On AVX-512, f32 products go to `gemm` (its AVX-512 micro-kernels, gemm's `x86-v4`) from
-/// this many rows of x, below which the 4 × 4 register tile is faster. SmolLM2-135M f32
-/// prefill (Zen 5, 2 threads, 2-3 alternating runs, tok/s, tile / gemm): 20 tokens 711-745 /
-/// 471-476, 64: 1053-1100 / 962-980, 128: 872-1173 / 1262-1270, 256: 1219-1296 / 1258-1488,
-/// 512: 1167-1223 / 1450-1467. bf16 stays on the tile (`vdpbf16ps`) at every size.
+/// On AVX-512 with full-width units, f32 products go to `gemm` (its AVX-512 micro-kernels,
+/// gemm's `x86-v4`) from this many rows of x. SmolLM2-135M f32 prefill (Zen 5, 2 threads,
+/// 2-3 alternating runs, tok/s, the 4 × 4 tile / gemm): 20 tokens 711-745 / 471-476, 64:
+/// 1053-1100 / 962-980, 128: 872-1173 / 1262-1270, 256: 1219-1296 / 1258-1488, 512:
+/// 1167-1223 / 1450-1467 (the 4 × 6 tile is untimed there). Where 512-bit operations run as
+/// two halves (Zen 4), the 4 × 6 tile wins at every size: the 1.7B shape's f32 prefill 512
+/// 44.3-44.9 tok/s through `gemm`, 50.2-51.7 on the tile, SmolLM2-135M's 640-734 / 628-717
+/// (2 threads, alternating runs); `probe_rows_throughput` at 128-512 rows, 2048 × 8192
+/// weights 163 / 207 GFLOP/s, SmolLM2's 1536 × 576 155-171 / 197-199. bf16 stays on the
+/// tile (`vdpbf16ps`) at every size on both.
 const F32_GEMM_ROWS_AVX512: usize = 128;
 /// Chunks per pool thread, as in `matvec`: an idle thread can take over a descheduled one's.
 const CHUNKS_PER_THREAD: usize = 4;
@@ -99,15 +105,15 @@ thread_local! {
 }
 
 /// Whether a product with `m` rows of x and weights `w` runs here rather than in the
-/// register tile: on AVX2 with enough rows (see the file's header), f32 on AVX-512 from
-/// [`F32_GEMM_ROWS_AVX512`]; block formats on AVX2 and AVX-512 without VNNI (on NEON they
-/// stay on the integer dots: untimed there).
+/// register tile: on AVX2 with enough rows (see the file's header), f32 on full-width
+/// AVX-512 from [`F32_GEMM_ROWS_AVX512`]; block formats on AVX2 and AVX-512 without VNNI
+/// (on NEON they stay on the integer dots: untimed there).
 pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
     let isa = Isa::current().kind();
     match w {
         Weights::F32(_) => match isa {
             IsaKind::Avx2 => m >= F32_GEMM_ROWS,
-            IsaKind::Avx512 => m >= F32_GEMM_ROWS_AVX512,
+            IsaKind::Avx512 => m >= F32_GEMM_ROWS_AVX512 && simd::full_width_512(),
             IsaKind::Neon | IsaKind::Scalar => false,
         },
         Weights::Bf16(_) => isa == IsaKind::Avx2 && m >= BF16_GEMM_ROWS,

@@ -4,8 +4,8 @@
 //! which [`ISA_VAR`] can force lower): AVX-512 (f + bw + vl), AVX2 + FMA (+ F16C) (`x86`),
 //! NEON on aarch64 (`arm`), and a portable scalar loop, the tests' reference. Accumulation is
 //! always in f32. Weights are prefetched ahead of the loads; on AVX-512 and NEON (32
-//! registers) a tile of 4 weight rows × 4 rows of x stays in registers, so a prompt chunk
-//! reads each weight row once.
+//! registers) a tile of 4 weight rows × 4 rows of x (× 6 on AVX-512 for f32 and bf16 × bf16)
+//! stays in registers, so a prompt chunk reads each weight row once.
 //!
 //! bf16 weights are read in pairs: a 32-bit lane holding `W[r, 2i]` (low half) and
 //! `W[r, 2i+1]` (high half) is two f32 values after one shift and one mask, with no
@@ -132,6 +132,14 @@ pub fn avx_vnni() -> bool {
         let plain = std::env::var(ISA_VAR).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx2"));
         Isa::current().kind() == IsaKind::Avx2 && !plain && cpu_has_avx_vnni()
     })
+}
+
+/// Whether the AVX-512 kernels run on a CPU whose units are 512 bits wide, as far as one can
+/// tell: no CPUID bit says so, and AVX-VNNI stands in for it (Zen 5 and Intel since Sapphire
+/// Rapids have both; Zen 4, whose 512-bit operations run as two halves, lacks AVX-VNNI).
+/// Where it matters is measured in `prefill::F32_GEMM_ROWS_AVX512`.
+pub fn full_width_512() -> bool {
+    Isa::current().kind() == IsaKind::Avx512 && cpu_has_avx_vnni()
 }
 
 fn cpu_has_avx_vnni() -> bool {

@@ -132,17 +132,20 @@ macro_rules! tiled {
                     // short streams badly (Zen 4, SmolLM2-135M bf16 decode, 1 thread: 43
                     // tok/s through the 4-row tile, 76 through `$row`).
                     if n + 4 <= rows_w && rows_x > 1 {
-                        // Tiles of $mr x rows; nine rows (MLA's heads over one latent) as
-                        // 3 + 3 + 3 rather than 4 + 4 + 1, and a tail of 2 or 3 in one tile.
+                        // Tiles of $mr x rows, then of 4 where $mr is more, and a tail of 1-3
+                        // in one tile; with tiles of 4, nine rows (MLA's heads over one
+                        // latent) as 3 + 3 + 3 rather than 4 + 4 + 1.
                         let thirds =
-                            $mr >= 4 && !(m1 - m).is_multiple_of(4) && (m1 - m).is_multiple_of(3);
+                            $mr == 4 && !(m1 - m).is_multiple_of(4) && (m1 - m).is_multiple_of(3);
                         while m < m1 {
                             let step = match m1 - m {
-                                left if thirds || ($mr >= 4 && left == 3) => left.min(3),
+                                left if thirds => left.min(3),
                                 left if left >= $mr => $mr,
-                                left => left.min(2),
+                                left if left >= 4 => 4,
+                                left => left,
                             };
                             match step {
+                                4 => $tile::<4>(x, k, w, (n, m), y, ldy),
                                 3 => $tile::<3>(x, k, w, (n, m), y, ldy),
                                 2 => $tile::<2>(x, k, w, (n, m), y, ldy),
                                 1 => $tile::<1>(x, k, w, (n, m), y, ldy),
@@ -309,13 +312,19 @@ fn sum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t))
 }
 
-// AVX-512 tiles are 4 × 4 (16 sums, 4 or 8 weight registers, 1 or 2 for x, of 32).
+// AVX-512 tiles are 4 × 6 for f32 and bf16 × bf16 (24 sums, 4 weight registers, 1 for x, of
+// 32), 4 × 4 for bf16 widened in registers (16 sums, 8 weight registers, 2 for x). On Zen 4
+// (2 threads, `probe_rows_throughput`, 64 x rows), 4 × 4 -> 4 × 6: bf16 × bf16 against the
+// 1.7B shape's 2048 × 2048, 8192 × 2048 and 2048 × 8192 weights 286, 292, 252 -> 346, 354,
+// 316 GFLOP/s, SmolLM2's 1536 × 576 and 576 × 1536 the same (300-358); f32 against 8192 ×
+// 2048 157-159 -> 190-193 (1 thread 80 -> 96, of 117 the FMAs allow). Blocking k (x's rows
+// cut to 1-8 KB, the tiles adding their sums into y) measured no better.
 // AVX2 tiles are 4 × 2 (8 sums, 4 weight registers, 1 or 2 for x, of 16): on the Zen 3 host
 // a 4 × 3 tile spills and ran slower than 4 × 1, 4 × 2 ran 1.3-2× faster than 4 × 1 at 4-40
 // rows of x (Qwen2.5-1.5B's matrices). Prompts of many rows go to `prefill` instead.
 #[rustfmt::skip]
 tiled!(f32_avx512, tile_f32_avx512, row_f32_avx512, f32, f32, "avx512f,avx512bw,avx512vl",
-    16, 4, _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32,
+    16, 6, _mm512_setzero_ps(), _mm512_setzero_ps(), x512_f32, w512_f32, mac512_f32,
     sum4_512, dot_f32);
 #[rustfmt::skip]
 tiled!(bf16_avx512, tile_bf16_avx512, row_bf16_avx512, f32, u16, "avx512f,avx512bw,avx512vl",
@@ -323,7 +332,7 @@ tiled!(bf16_avx512, tile_bf16_avx512, row_bf16_avx512, f32, u16, "avx512f,avx512
     w512_pairs, mac512_pairs, sum4_512, dot_bf16);
 #[rustfmt::skip]
 tiled!(bf16_dot_avx512, tile_bf16_dot_avx512, row_bf16_dot_avx512, u16, u16,
-    "avx512f,avx512bw,avx512vl,avx512bf16", 32, 4, _mm512_setzero_ps(), zero512_bf16(),
+    "avx512f,avx512bw,avx512vl,avx512bf16", 32, 6, _mm512_setzero_ps(), zero512_bf16(),
     x512_bf16, w512_bf16, mac512_bf16, sum4_512, dot_bf16_pairs);
 #[rustfmt::skip]
 tiled!(f32_avx2, tile_f32_avx2, row_f32_avx2, f32, f32, "avx2,fma", 8, 2,
