@@ -116,6 +116,14 @@ pub(super) const Q5_1: u8 = 4;
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
 
+/// Rows of x Q6_K's AVX-512 VNNI tile takes at once: its weights' unpacking (three loads, six
+/// shifts and masks a chunk) serves twice the rows, in the 32 vector registers AVX-512 gives
+/// the 256-bit code. Zen 4 (2 threads, alternating runs, tok/s, 4 rows / 8): the 1.7B shape's
+/// Q6_K file prefills 512 tokens at 100.8-101.1 / 107.2-109.6, SmolLM2's 825-1023 /
+/// 1050-1052. Q4_K and Q5_K lost with 8 (the 1.7B shape's Q5_K_M file at 64 tokens: 117-120
+/// / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
+const RX_Q6K_VNNI: usize = 8;
+
 /// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
 /// of x (as many as the tile takes), written to `y`. Called through a pointer, once per
 /// group (or pair) and 4 rows of x: the call is nothing beside a tile's work, and each tile
@@ -140,8 +148,10 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
 /// A format's tiles: for `RX` rows of x and for one, of a group of 8 rows, and where the
 /// CPU has them of two adjacent groups at once ([`super::avx512`]).
 pub(super) struct Tiles {
-    /// A group against `RX` rows of x.
+    /// A group against `rows` rows of x.
     rx: Tile,
+    /// Rows of x that `rx` takes: [`RX`], or [`RX_Q6K_VNNI`].
+    rows: usize,
     /// A group against one row of x.
     one: Tile,
     /// Two adjacent groups against `RX` rows and against one: the 32-weight formats' where
@@ -172,12 +182,13 @@ pub(super) unsafe fn rows_with(
             Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2),
             _ => (tiles.rx, tiles.one, 1),
         };
+        let rows = if step == 2 { RX } else { tiles.rows };
         let mut i = 0;
-        while i + RX <= m {
-            // SAFETY: the caller's; rows i..i + RX of x exist; groups g..g + step are the
+        while i + rows <= m {
+            // SAFETY: the caller's; rows i..i + rows of x exist; groups g..g + step are the
             // caller's.
             unsafe { rx(w, g, x, i, y) };
-            i += RX;
+            i += rows;
         }
         for i in i..m {
             // SAFETY: as above, for row i.
@@ -204,7 +215,7 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
             q4k::tile_avx_vnni::<1, true>,
         ),
         (Format::Q5K, _) => (q4k::tile::<RX, true>, q4k::tile::<1, true>),
-        (Format::Q6K, EVEX) => (q6k::tile_vnni::<RX>, q6k::tile_vnni::<1>),
+        (Format::Q6K, EVEX) => (q6k::tile_vnni::<RX_Q6K_VNNI>, q6k::tile_vnni::<1>),
         (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX>, q6k::tile_avx_vnni::<1>),
         (Format::Q6K, _) => (q6k::tile::<RX>, q6k::tile::<1>),
         (Format::Q8_0, _) => pick::<Q8_0>(dot),
@@ -223,7 +234,16 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
         Format::Q5_1 => Some(pair::<Q5_1>()),
         _ => None,
     };
-    Tiles { rx, one, pair }
+    let rows = match (format, dot) {
+        (Format::Q6K, EVEX) => RX_Q6K_VNNI,
+        _ => RX,
+    };
+    Tiles {
+        rx,
+        rows,
+        one,
+        pair,
+    }
 }
 
 /// A 32-weight format's 16-row tiles.
