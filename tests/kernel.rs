@@ -123,7 +123,7 @@ fn linear_routes_by_instruction_set() -> candle_core::Result<()> {
         assert_eq!(route(avx2, &one, &w), Route::Kernel);
         assert_eq!(route(avx2, &four, &w), Route::Kernel);
     }
-    // A tile of 4 × 4 in registers takes several rows.
+    // A tile of 4 weight rows × 4 or 6 x rows in registers takes several rows.
     for kind in [IsaKind::Avx512, IsaKind::Neon] {
         if let Some(isa) = Isa::new(kind) {
             assert_eq!(route(isa, &one, &w), Route::Kernel);
@@ -162,7 +162,7 @@ fn assert_close(got: &[f32], want: &[f64], rel: f64, what: &str) {
 #[test]
 fn row_kernels_match_f64_reference() {
     // One row (decode), a few (tile tails), and more than a 64-row block (prefill).
-    for (rows, (n, k)) in [1, 2, 3, 4, 5, 6, 9, 70]
+    for (rows, (n, k)) in [1, 2, 3, 4, 5, 6, 8, 9, 11, 70]
         .into_iter()
         .flat_map(|m| SHAPES.map(|s| (m, s)))
     {

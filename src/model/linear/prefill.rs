@@ -1,5 +1,5 @@
 //! The product `y = x · Wᵀ` for a prompt chunk of many rows of x on AVX2 (+ FMA), where the
-//! registers hold a tile of only 2 rows of x (AVX-512 holds 6 and reads W once per 64 rows,
+//! registers hold a tile of only 2 rows of x (AVX-512 holds 4 or 6 and reads W once per 64 rows,
 //! `simd::tiles_rows`), and for f32 prompts of 128 rows and more on CPUs whose AVX-512 units
 //! are 512 bits wide, where `gemm`'s AVX-512 micro-kernels beat that tile
 //! ([`F32_GEMM_ROWS_AVX512`]).
@@ -56,9 +56,9 @@ const BF16_GEMM_ROWS: usize = 32;
 /// 2-3 alternating runs, tok/s, the 4 × 4 tile / gemm): 20 tokens 711-745 / 471-476, 64:
 /// 1053-1100 / 962-980, 128: 872-1173 / 1262-1270, 256: 1219-1296 / 1258-1488, 512:
 /// 1167-1223 / 1450-1467 (the 4 × 6 tile is untimed there). Where 512-bit operations run as
-/// two halves (Zen 4), the 4 × 6 tile wins at every size: the 1.7B shape's f32 prefill 512
+/// two halves (Zen 4), the 4 × 6 tile wins or ties at every size: the 1.7B shape's f32 prefill 512
 /// 44.3-44.9 tok/s through `gemm`, 50.2-51.7 on the tile, SmolLM2-135M's 640-734 / 628-717
-/// (2 threads, alternating runs); `probe_rows_throughput` at 128-512 rows, 2048 × 8192
+/// (2 threads, alternating runs); `probe_rows_throughput` at 128-512 rows, 8192 × 2048
 /// weights 163 / 207 GFLOP/s, SmolLM2's 1536 × 576 155-171 / 197-199. bf16 stays on the
 /// tile (`vdpbf16ps`) at every size on both.
 const F32_GEMM_ROWS_AVX512: usize = 128;

@@ -135,9 +135,11 @@ pub fn avx_vnni() -> bool {
 }
 
 /// Whether the AVX-512 kernels run on a CPU whose units are 512 bits wide, as far as one can
-/// tell: no CPUID bit says so, and AVX-VNNI stands in for it (Zen 5 and Intel since Sapphire
-/// Rapids have both; Zen 4, whose 512-bit operations run as two halves, lacks AVX-VNNI).
-/// Where it matters is measured in `prefill::F32_GEMM_ROWS_AVX512`.
+/// tell: no CPUID bit says so, and AVX-VNNI stands in for it (Zen 5 servers and desktops and
+/// Intel since Sapphire Rapids have both; Zen 4, whose 512-bit operations run as two halves,
+/// lacks AVX-VNNI). A stand-in only: Zen 5 laptop parts have AVX-VNNI and half-width units,
+/// Skylake-SP to Ice Lake-SP full-width units and no AVX-VNNI; both untimed. Where it matters
+/// is measured in `prefill::F32_GEMM_ROWS_AVX512`.
 pub fn full_width_512() -> bool {
     Isa::current().kind() == IsaKind::Avx512 && cpu_has_avx_vnni()
 }
@@ -341,8 +343,8 @@ pub unsafe fn rows_bf16_pairs_strided(
 }
 
 /// Whether `isa` keeps a tile of several x rows in registers (the 32 registers of AVX-512
-/// and of NEON hold 4 weight rows × 4 x rows), so that a product of many rows reads `w` once
-/// per 64 rows. Elsewhere each row of x is a pass over `w`, and candle's GEMM (or, on AVX2,
+/// hold 4 weight rows × 6 x rows, or × 4 for bf16 widened, and NEON's 4 × 4), so that a
+/// product of many rows reads `w` once per 64 rows. Elsewhere each row of x is a pass over `w`, and candle's GEMM (or, on AVX2,
 /// `prefill`) is the better choice. (NEON's tile is sized by counting registers: untimed on
 /// ARM hardware, where candle's GEMM might still win on long f32 prompts.)
 pub fn tiles_rows(isa: Isa) -> bool {

@@ -9,8 +9,8 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 /// f32 products on either side of the crossover to `gemm` (AVX2's at 17 rows, full-width
-/// AVX-512's at 128) go where this CPU's set says, and equal plain sums either way: each host covers its
-/// own crossover.
+/// AVX-512's at 128) go where this CPU's set says, and equal plain sums either way: each
+/// host covers its own crossover.
 #[test]
 fn f32_rows_either_side_of_gemm_equal_plain_sums() {
     let (n, k) = (50, 96);

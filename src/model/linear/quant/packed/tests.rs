@@ -1,8 +1,8 @@
 //! The packed layout holds the same weights as the rows, and its kernel (where the CPU has
 //! AVX2: each set of tiles it runs) and the scalar loop over it equal x times the
 //! dequantized weights: every packed format, weight rows that are not a multiple of 8 (a
-//! pair of groups, a pair and one), 1 to 9 rows of x (the tile's 4 and the single rows
-//! after them).
+//! pair of groups, a pair and one), 1 to 17 rows of x (the tile's 4, or Q6_K's 8 with
+//! AVX-512 VNNI, and the single rows after them).
 
 use super::super::{Format, QRows, QWeight, BLOCK};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -135,7 +135,7 @@ fn packed_products_equal_the_dequantized_product() {
             let cols = blocks * BLOCK;
             let q = weight(f, rows, cols, 2).repacked(true);
             let dense = q.dequantize();
-            for m in [1, 2, 4, 5, 9] {
+            for m in [1, 2, 4, 5, 9, 17] {
                 let x = data(m * cols, 3 + m as u32);
                 let xq = QRows::quantize_for(format, &x, cols);
                 let kernels = products(&q, &x);
@@ -166,8 +166,8 @@ fn packed_products_equal_the_dequantized_product() {
 }
 
 /// The sums' 16-bit bounds at their worst: every quant at its largest (Q8_0's −128 from a
-/// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (the tile's 4
-/// and the single row after them).
+/// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (the tile's 4,
+/// or Q6_K's 8, and the single row after them).
 #[test]
 fn extreme_blocks_stay_within_the_sums_bounds() {
     let (rows, cols) = (16, 256);
@@ -217,7 +217,7 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
             .repacked(true);
         let dense = q.dequantize();
         for sign in [1.0f32, -1.0] {
-            let m = 5;
+            let m = 9;
             let x = vec![sign; m * cols];
             for (name, y) in products(&q, &x) {
                 for (i, got) in y.iter().enumerate() {

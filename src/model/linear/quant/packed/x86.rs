@@ -1,6 +1,7 @@
 //! The packed layout's kernel ([`super`]) on AVX2, AVX-512 VNNI (`avx512`'s 16-row tile too)
 //! and AVX-VNNI: per group of 8 weight rows and block of 32 columns, the integer sums of the
-//! 8 rows are one vector, for `RX` rows of x at once.
+//! 8 rows are one vector, for `RX` rows of x at once (`RX_Q6K_VNNI` in Q6_K's AVX-512 VNNI
+//! tile).
 //!
 //! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`'s (Q4_K
 //! and Q5_K) and `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
@@ -119,14 +120,14 @@ const RX: usize = 4;
 /// Rows of x Q6_K's AVX-512 VNNI tile takes at once: its weights' unpacking (three loads, six
 /// shifts and masks a chunk) serves twice the rows, in the 32 vector registers AVX-512 gives
 /// the 256-bit code. Zen 4 (2 threads, alternating runs, tok/s, 4 rows / 8): the 1.7B shape's
-/// Q6_K file prefills 512 tokens at 100.8-101.1 / 107.2-109.6, SmolLM2's 825-1023 /
+/// Q6_K file prefills 512 tokens at 91-101 / 102-110 (two A/Bs), SmolLM2's 825-1023 /
 /// 1050-1052. Q4_K and Q5_K lost with 8 (the 1.7B shape's Q5_K_M file at 64 tokens: 117-120
 /// / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
 const RX_Q6K_VNNI: usize = 8;
 
 /// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
 /// of x (as many as the tile takes), written to `y`. Called through a pointer, once per
-/// group (or pair) and 4 rows of x: the call is nothing beside a tile's work, and each tile
+/// group (or pair) and its rows of x: the call is nothing beside a tile's work, and each tile
 /// is compiled for its own instruction set.
 pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
 
@@ -145,7 +146,7 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
     unsafe { rows_with(&tiles(w.format, dot, dot == EVEX), w, groups, x, y) }
 }
 
-/// A format's tiles: for `RX` rows of x and for one, of a group of 8 rows, and where the
+/// A format's tiles: for `rows` rows of x and for one, of a group of 8 rows, and where the
 /// CPU has them of two adjacent groups at once ([`super::avx512`]).
 pub(super) struct Tiles {
     /// A group against `rows` rows of x.
@@ -202,6 +203,14 @@ pub(super) unsafe fn rows_with(
 /// formats' 16-row ones where `pairs` (with [`EVEX`] only).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
     use super::{q4k::x86 as q4k, q6k::x86 as q6k};
+    if matches!((format, dot), (Format::Q6K, EVEX)) {
+        return Tiles {
+            rx: q6k::tile_vnni::<RX_Q6K_VNNI>,
+            rows: RX_Q6K_VNNI,
+            one: q6k::tile_vnni::<1>,
+            pair: None,
+        };
+    }
     let (rx, one): (Tile, Tile) = match (format, dot) {
         (Format::Q4K, EVEX) => (q4k::tile_vnni::<RX, false>, q4k::tile_vnni::<1, false>),
         (Format::Q4K, VEX) => (
@@ -215,7 +224,6 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
             q4k::tile_avx_vnni::<1, true>,
         ),
         (Format::Q5K, _) => (q4k::tile::<RX, true>, q4k::tile::<1, true>),
-        (Format::Q6K, EVEX) => (q6k::tile_vnni::<RX_Q6K_VNNI>, q6k::tile_vnni::<1>),
         (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX>, q6k::tile_avx_vnni::<1>),
         (Format::Q6K, _) => (q6k::tile::<RX>, q6k::tile::<1>),
         (Format::Q8_0, _) => pick::<Q8_0>(dot),
@@ -234,13 +242,9 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
         Format::Q5_1 => Some(pair::<Q5_1>()),
         _ => None,
     };
-    let rows = match (format, dot) {
-        (Format::Q6K, EVEX) => RX_Q6K_VNNI,
-        _ => RX,
-    };
     Tiles {
         rx,
-        rows,
+        rows: RX,
         one,
         pair,
     }
