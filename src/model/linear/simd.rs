@@ -344,8 +344,8 @@ pub unsafe fn rows_bf16_pairs_strided(
 
 /// Whether `isa` keeps a tile of several x rows in registers (the 32 registers of AVX-512
 /// hold 4 weight rows × 6 x rows, or × 4 for bf16 widened, and NEON's 4 × 4), so that a
-/// product of many rows reads `w` once per 64 rows. Elsewhere each row of x is a pass over `w`, and candle's GEMM (or, on AVX2,
-/// `prefill`) is the better choice. (NEON's tile is sized by counting registers: untimed on
+/// product of many rows reads `w` once per 64 rows. Elsewhere each row of x is a pass over
+/// `w`, and candle's GEMM (or, on AVX2, `prefill`) is the better choice. (NEON's tile is sized by counting registers: untimed on
 /// ARM hardware, where candle's GEMM might still win on long f32 prompts.)
 pub fn tiles_rows(isa: Isa) -> bool {
     matches!(isa.kind(), IsaKind::Avx512 | IsaKind::Neon)

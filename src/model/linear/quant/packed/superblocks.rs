@@ -1,8 +1,9 @@
-//! What the packed K-quants ([`super::q4k`], [`super::q5k`], [`super::q6k`]) share: a superblock of 256
-//! weights of 8 rows at a time (a *unit*: group `g`, superblock `c` of the row's `n`, at
-//! `g · n + c`), its `d` (and `dmin`) in `scales` (`mins`) at `unit · 8 + lane`, its quants
-//! at `unit · group_bytes` in an order of the format's own; and the moves between ggml's
-//! blocks and that layout, one superblock at a time, by the format's `put` and `get`.
+//! What the packed K-quants ([`super::q4k`], [`super::q5k`], [`super::q6k`]) share: a
+//! superblock of 256 weights of 8 rows at a time (a *unit*: group `g`, superblock `c` of the
+//! row's `n`, at `g · n + c`), its `d` (and `dmin`) in `scales` (`mins`) at
+//! `unit · 8 + lane`, its quants at `unit · group_bytes` in an order of the format's own; and
+//! the moves between ggml's blocks and that layout, one superblock at a time, by the format's
+//! `put` and `get`.
 
 use super::super::kquant::QK_K;
 use super::super::{Format, QWeight};

@@ -179,11 +179,10 @@ pub(super) unsafe fn rows_with(
     // 33 against 40 tok/s), the one stream a thread reads instead of two.
     let mut g = g0;
     while g < g1 {
-        let (rx, one, step) = match tiles.pair {
-            Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2),
-            _ => (tiles.rx, tiles.one, 1),
+        let (rx, one, step, rows) = match tiles.pair {
+            Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX),
+            _ => (tiles.rx, tiles.one, 1, tiles.rows),
         };
-        let rows = if step == 2 { RX } else { tiles.rows };
         let mut i = 0;
         while i + rows <= m {
             // SAFETY: the caller's; rows i..i + rows of x exist; groups g..g + step are the
