@@ -76,6 +76,8 @@ pub(super) fn packs(format: Format) -> bool {
             | Format::Q4_1
             | Format::Q5_0
             | Format::Q5_1
+            | Format::Q2K
+            | Format::Q3K
             | Format::Q4K
             | Format::Q5K
             | Format::Q6K
@@ -315,6 +317,8 @@ pub(super) mod x86;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod parts;
+pub(super) mod q2k;
+pub(super) mod q3k;
 pub(super) mod q4k;
 pub(super) mod q5k;
 pub(super) mod q6k;

@@ -28,6 +28,8 @@ impl Superblocks {
     /// The packed form of `format`, if it is a packed K-quant.
     pub fn of(format: Format) -> Option<&'static Superblocks> {
         match format {
+            Format::Q2K => Some(&super::q2k::SUPERBLOCKS),
+            Format::Q3K => Some(&super::q3k::SUPERBLOCKS),
             Format::Q4K => Some(&super::q4k::SUPERBLOCKS),
             Format::Q5K => Some(&super::q5k::SUPERBLOCKS),
             Format::Q6K => Some(&super::q6k::SUPERBLOCKS),

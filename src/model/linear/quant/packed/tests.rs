@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use half::f16;
 
-const FORMATS: [(Format, GgmlDType); 8] = [
+const FORMATS: [(Format, GgmlDType); 10] = [
     (Format::Q8_0, GgmlDType::Q8_0),
     (Format::Q4_0, GgmlDType::Q4_0),
     (Format::Q4_1, GgmlDType::Q4_1),
@@ -18,6 +18,8 @@ const FORMATS: [(Format, GgmlDType); 8] = [
     (Format::Q4K, GgmlDType::Q4K),
     (Format::Q5K, GgmlDType::Q5K),
     (Format::Q6K, GgmlDType::Q6K),
+    (Format::Q3K, GgmlDType::Q3K),
+    (Format::Q2K, GgmlDType::Q2K),
 ];
 
 /// A `rows x cols` weight in `format`, from the bytes candle's port of ggml's quantizers
@@ -67,7 +69,7 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
         ];
         for (name, dot, pairs, runs) in sets {
             // No K-quant has a 16-row tile: that set would rerun the 8-row ones.
-            let rerun = pairs && matches!(q.format, Format::Q4K | Format::Q5K | Format::Q6K);
+            let rerun = pairs && q.format.block_weights() == 256;
             if !runs || rerun {
                 continue;
             }
@@ -105,6 +107,8 @@ fn packing_keeps_every_weight() {
             Format::Q4K => cols / 256 * 148,
             Format::Q5K => cols / 256 * 180,
             Format::Q6K => cols / 256 * 210,
+            Format::Q3K => cols / 256 * 114,
+            Format::Q2K => cols / 256 * 84,
             _ => rowwise.bytes() / rows,
         };
         assert_eq!(packed.bytes(), 16 * per_row, "{format:?}");
@@ -128,7 +132,7 @@ fn packed_products_equal_the_dequantized_product() {
     for (rows, f) in [13, 21].into_iter().flat_map(|r| FORMATS.map(|f| (r, f))) {
         let format = f.0;
         let widths: &[usize] = match format {
-            Format::Q4K | Format::Q5K | Format::Q6K => &[8, 16],
+            Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K => &[8, 16],
             _ => &[1, 3, 6],
         };
         for &blocks in widths {
@@ -208,6 +212,21 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
         (
             Format::Q6K,
             [&[0xFF; 192][..], &[0x80; 16], &one[..]].concat(),
+        ),
+        // Q3_K: every q at 7 (every high bit set) and every scale at 63 − 32, then at
+        // 0 − 32 (ggml's hmask, qs, 12 bytes of scales, d).
+        (
+            Format::Q3K,
+            [&[0xFF; 96][..], &[0xFF; 12], &one[..]].concat(),
+        ),
+        (
+            Format::Q3K,
+            [&[0xFF; 96][..], &[0x00; 12], &one[..]].concat(),
+        ),
+        // Q2_K: every q at 3, every scale and minimum at 15 (scales, qs, d, dmin).
+        (
+            Format::Q2K,
+            [&[0xFF; 16][..], &[0xFF; 64], &one[..], &one[..]].concat(),
         ),
     ] {
         let per_row = cols / format.block_weights();

@@ -201,14 +201,25 @@ pub(super) unsafe fn rows_with(
 /// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 32-weight
 /// formats' 16-row ones where `pairs` (with [`EVEX`] only).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
-    use super::{q4k::x86 as q4k, q6k::x86 as q6k};
-    if matches!((format, dot), (Format::Q6K, EVEX)) {
-        return Tiles {
-            rx: q6k::tile_vnni::<RX_Q6K_VNNI>,
-            rows: RX_Q6K_VNNI,
-            one: q6k::tile_vnni::<1>,
-            pair: None,
-        };
+    use super::q4k::x86 as q4k;
+    use super::q6k::x86::{self as q6k, Q2, Q3, Q6};
+    let eight = |rx: Tile, one: Tile| Tiles {
+        rx,
+        rows: RX_Q6K_VNNI,
+        one,
+        pair: None,
+    };
+    match (format, dot) {
+        (Format::Q6K, EVEX) => {
+            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q6>, q6k::tile_vnni::<1, Q6>)
+        }
+        (Format::Q3K, EVEX) => {
+            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q3>, q6k::tile_vnni::<1, Q3>)
+        }
+        (Format::Q2K, EVEX) => {
+            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q2>, q6k::tile_vnni::<1, Q2>)
+        }
+        _ => {}
     }
     let (rx, one): (Tile, Tile) = match (format, dot) {
         (Format::Q4K, EVEX) => (q4k::tile_vnni::<RX, false>, q4k::tile_vnni::<1, false>),
@@ -223,14 +234,17 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
             q4k::tile_avx_vnni::<1, true>,
         ),
         (Format::Q5K, _) => (q4k::tile::<RX, true>, q4k::tile::<1, true>),
-        (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX>, q6k::tile_avx_vnni::<1>),
-        (Format::Q6K, _) => (q6k::tile::<RX>, q6k::tile::<1>),
+        (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX, Q6>, q6k::tile_avx_vnni::<1, Q6>),
+        (Format::Q6K, _) => (q6k::tile::<RX, Q6>, q6k::tile::<1, Q6>),
+        (Format::Q3K, VEX) => (q6k::tile_avx_vnni::<RX, Q3>, q6k::tile_avx_vnni::<1, Q3>),
+        (Format::Q3K, _) => (q6k::tile::<RX, Q3>, q6k::tile::<1, Q3>),
+        (Format::Q2K, VEX) => (q6k::tile_avx_vnni::<RX, Q2>, q6k::tile_avx_vnni::<1, Q2>),
+        (Format::Q2K, _) => (q6k::tile::<RX, Q2>, q6k::tile::<1, Q2>),
         (Format::Q8_0, _) => pick::<Q8_0>(dot),
         (Format::Q4_0, _) => pick::<Q4_0>(dot),
         (Format::Q4_1, _) => pick::<Q4_1>(dot),
         (Format::Q5_0, _) => pick::<Q5_0>(dot),
         (Format::Q5_1, _) => pick::<Q5_1>(dot),
-        _ => unreachable!("{format:?} is never packed"),
     };
     let pair = match format {
         _ if !(dot == EVEX && pairs) => None,
