@@ -4,12 +4,14 @@
 //! Q5_1, Q4_1, Q8_0, which between them hold Q2_K ... Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
 //! tensors). For each file:
 //! - a prompt-sized forward: on the integer kernels with x rounded to 8 bits, as llama.cpp
-//!   rounds it for prompts too (the packed formats on every x86 CPU, the other K-quants on
-//!   AVX-512 with VNNI; elsewhere those are dequantized into `gemm`'s tiles): perplexity
-//!   within 2.5% (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0 file and 1.2% for
-//!   Q4_K_M; on Zen 5 with VNNI: 0.2-0.75%, 1.5% for Q8_0 and 1.9% for Q2_K, a model at
-//!   perplexity ~220; the f32 reference's own kernels differ by host too; 0.5% bounded them
-//!   all while prompts took `gemm` throughout), and the greedy choice the same at every
+//!   rounds it for prompts too (every block format packed on x86 CPUs with AVX2): perplexity
+//!   within 2.5%, 3.5% for Q2_K (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0 file and
+//!   1.2% for Q4_K_M; on Zen 5 with VNNI: 0.2-0.75%, 1.5% for Q8_0 and 1.9% for Q2_K, a
+//!   model at perplexity ~220; on Zen 4, Q2_K packed, 2.7%: its row layout's kernel and the
+//!   packed one read 1.5-2.3% and 1.4-2.5% above the f32 model on four lengths of the
+//!   passage, summation order alone; the f32 reference's own kernels differ by host too;
+//!   0.5% bounded them all while prompts took `gemm` throughout), and the greedy choice the
+//!   same at every
 //!   position where the f32 model's top logit leads the next by more than 1 (88-115 of 256
 //!   positions);
 //! - token by token through the cache (the integer kernels): x is rounded to Q8_0 there
@@ -103,8 +105,10 @@ fn every_format_in_its_blocks_matches_the_file_dequantized() {
         let ids = &ids[..ids.len().min(256)];
         let (l_blocks, l_dense) = (full_logits(&blocks, ids), full_logits(&dense, ids));
         let (p_blocks, p_dense) = (perplexity(&l_blocks, ids), perplexity(&l_dense, ids));
+        // Q2_K's model, at perplexity ~220, moves most with x's rounding (see the header).
+        let bound = if t == "Q2_K" { 0.035 } else { 0.025 };
         assert!(
-            (p_blocks / p_dense - 1.0).abs() <= 0.025,
+            (p_blocks / p_dense - 1.0).abs() <= bound,
             "{t} prompt: perplexity {p_blocks} in blocks, {p_dense} dequantized"
         );
         let prompt_checked = same_choices(t, &l_blocks, &l_dense, 1.0);

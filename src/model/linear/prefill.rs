@@ -120,7 +120,10 @@ pub fn by_gemm(m: usize, w: Weights<'_>) -> bool {
         // Packed weights' kernel beat `gemm` at every size (Zen 3: 58-96 GMAC/s at 64-512
         // rows against 25-59, `probe_packed`), and so does the row layout's VNNI tile (Zen
         // 5, 2 threads, `probe_blocks_prefill`: Q2_K, Q3_K and Q5_K at 193-209 GMAC/s from
-        // 128 to 512 rows against 87-117).
+        // 128 to 512 rows against 87-117). Every block format is packed on x86 with AVX2
+        // (Q2_K and Q3_K last: on Zen 4 in AVX2's forms their files prefill 512 tokens at
+        // 79-87 tok/s against 50-64 here), so this route serves only weights kept in rows
+        // (`QWeight::repacked(false)`: the tests and probes that compare the two).
         Weights::Blocks(q) => {
             !q.is_packed()
                 && (isa == IsaKind::Avx2 || (isa == IsaKind::Avx512 && !quant::vnni()))

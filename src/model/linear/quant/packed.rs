@@ -1,8 +1,8 @@
 //! Weights repacked at load for the kernel that reads them, as llama.cpp's CPU "repack"
-//! buffers (its `q4_0_8x8`, `q4_K_8x8`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
-//! rows in groups of [`ROWS`], so that one 32-byte load holds 4 bytes of each of 8 rows and
-//! a vector lane is a weight row (the K-quants' superblocks: [`q4k`], [`q5k`], [`q6k`]; Q2_K
-//! and Q3_K keep the row layout's K-quant kernels).
+//! buffers (its `q4_0_8x8`, `q4_K_8x8`): every block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in groups of [`ROWS`] rows, so that one 32-byte load holds 4
+//! bytes of each of 8 rows and a vector lane is a weight row (the K-quants' superblocks:
+//! [`q2k`], [`q3k`], [`q4k`], [`q5k`], [`q6k`]).
 //!
 //! In the row layout each dot product of 32 weights ends in a conversion, a scale and an
 //! FMA of its own, and each row in a horizontal sum: the float work outweighed the integer
