@@ -719,6 +719,8 @@ fn probe_packed() -> candle_core::Result<()> {
         (Format::Q4_1, GgmlDType::Q4_1),
         (Format::Q5_0, GgmlDType::Q5_0),
         (Format::Q5_1, GgmlDType::Q5_1),
+        (Format::Q2K, GgmlDType::Q2K),
+        (Format::Q3K, GgmlDType::Q3K),
         (Format::Q4K, GgmlDType::Q4K),
         (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),
@@ -779,6 +781,8 @@ fn probe_packed_decode() -> candle_core::Result<()> {
     let dev = Device::Cpu;
     let (n, k) = (8192usize, 2048usize);
     for (format, ggml) in [
+        (Format::Q2K, GgmlDType::Q2K),
+        (Format::Q3K, GgmlDType::Q3K),
         (Format::Q4K, GgmlDType::Q4K),
         (Format::Q5K, GgmlDType::Q5K),
         (Format::Q6K, GgmlDType::Q6K),

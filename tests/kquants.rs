@@ -7,13 +7,14 @@
 //!   rounds it for prompts too (every block format packed on x86 CPUs with AVX2): perplexity
 //!   within 2.5%, 3.5% for Q2_K (measured on Zen 3: 0.2-0.75%, 0.99% for the Q8_0 file and
 //!   1.2% for Q4_K_M; on Zen 5 with VNNI: 0.2-0.75%, 1.5% for Q8_0 and 1.9% for Q2_K, a
-//!   model at perplexity ~220; on Zen 4, Q2_K packed, 2.7%: its row layout's kernel and the
-//!   packed one read 1.5-2.3% and 1.4-2.5% above the f32 model on four lengths of the
-//!   passage, summation order alone; the f32 reference's own kernels differ by host too;
-//!   0.5% bounded them all while prompts took `gemm` throughout), and the greedy choice the
-//!   same at every
-//!   position where the f32 model's top logit leads the next by more than 1 (88-115 of 256
-//!   positions);
+//!   model at perplexity ~220; on Zen 4, 1.9% for Q2_K in the row layout and 2.7% packed:
+//!   the two kernels agree to f32 rounding (relative RMS error 6e-8 against f64 on a 576 ×
+//!   1536 Q2_K weight), but a last-bit difference flips some of x's roundings to 8 bits
+//!   downstream, a new draw of the rounding noise; on four other lengths of the passage they
+//!   read 1.5-2.3% and 1.4-2.5%; the f32 reference's own kernels differ by host too; 0.5%
+//!   bounded them all while prompts took `gemm` throughout), and the greedy choice the same
+//!   at every position where the f32 model's top logit leads the next by more than 1
+//!   (88-115 of 256 positions);
 //! - token by token through the cache (the integer kernels): x is rounded to Q8_0 there
 //!   for every format, which moves a logit by up to ~1.5 (0.6 on average at the largest):
 //!   perplexity over 64 tokens within 6% (measured: 0.1-2.2%; 3.9% for Q2_K before the

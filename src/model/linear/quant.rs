@@ -13,9 +13,9 @@
 //! (Q5_0, Q5_1) are kept as ggml stores them and go through one kernel of their own
 //! (`quant/kquant.rs`), against the same Q8_0 rows of x.
 //!
-//! On x86 CPUs (AVX2 and AVX-512), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are
-//! repacked at load into groups of 8 interleaved rows (`quant/packed.rs`) and every product
-//! of theirs, decode and prompt, goes through the packed kernel instead.
+//! On x86 CPUs (AVX2 and AVX-512), every block format is repacked at load into groups of 8
+//! interleaved rows (`quant/packed.rs`) and every product of theirs, decode and prompt, goes
+//! through the packed kernel instead.
 //!
 //! Over 300 lines on purpose: the formats' table, the constructors that establish what the
 //! kernels' unchecked loads rely on, and the product that checks it once belong together.
@@ -112,10 +112,11 @@ pub struct QWeight {
     format: Format,
     rows: usize,
     cols: usize,
-    /// One scale per block, row-major (packed: [`packed`]'s order; Q4_K: its `d` per
-    /// superblock).
+    /// One scale per block, row-major (packed: [`packed`]'s order; the K-quants: their `d`
+    /// per superblock).
     scales: Vec<f16>,
-    /// Q4_1: one minimum per block (packed: Q5_1's too, and Q4_K's `dmin`); empty otherwise.
+    /// Q4_1: one minimum per block (packed: Q5_1's too, and Q2_K's, Q4_K's and Q5_K's
+    /// `dmin`); empty otherwise.
     mins: Vec<f16>,
     /// Q8_0: one i8 per weight; Q4_0, Q4_1: one byte per two weights; the other formats:
     /// ggml's blocks as the file stores them, scales included (packed: [`packed`]'s).
@@ -263,7 +264,8 @@ impl QWeight {
 
     /// Bytes held: quants, scales, minimums and fifth bits (ggml's: 34 per Q8_0 block, 18
     /// per Q4_0 block, 20 per Q4_1 block, and the file's own for the other formats; packed,
-    /// the same but for Q4_K's 148 a superblock instead of 144, and rows padded to 8).
+    /// the same but for Q3_K's, Q4_K's and Q5_K's 114, 148 and 180 bytes a superblock
+    /// instead of 110, 144 and 176, and rows padded to 8).
     pub fn bytes(&self) -> usize {
         self.quants.len() + 2 * (self.scales.len() + self.mins.len()) + 4 * self.highs.len()
     }

@@ -310,7 +310,8 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
     }
 }
 
-// `x86` first: its `three_forms!` makes the tiles of `q4k` (Q4_K and Q5_K) and `q6k` too.
+// `x86` first: its `three_forms!` makes the tiles of `q4k` (Q4_K and Q5_K) and `q6k` (Q6_K,
+// Q3_K and Q2_K) too.
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 pub(super) mod x86;

@@ -15,8 +15,7 @@
 
 use super::super::kquant::{quants, QK_K};
 use super::super::{Format, QWeight};
-use super::q3k::{ggml_low_bits, FOUR};
-use super::superblocks::Superblocks;
+use super::superblocks::{four, ggml_low_bits, low_bits, Superblocks};
 use super::ROWS;
 use half::f16;
 
@@ -61,9 +60,7 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
         out.quants[to..to + 4].copy_from_slice(&blk[4 * p..4 * p + 4]);
         for h in 0..4 {
             for j in 0..4 {
-                let w = FOUR.map(|o| q[64 * p + 8 * h + j + o]);
-                let byte = (0..4).fold(0u8, |acc, t| acc | (w[t] & 3) << (2 * t));
-                out.quants[base + lows_at(p, h) + 4 * l + j] = byte;
+                out.quants[base + lows_at(p, h) + 4 * l + j] = low_bits(&q, p, h, j);
             }
         }
     }
@@ -79,8 +76,8 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
         for h in 0..4 {
             for j in 0..4 {
                 let byte = w.quants[base + lows_at(p, h) + 4 * l + j];
-                for (t, o) in FOUR.into_iter().enumerate() {
-                    q[64 * p + 8 * h + j + o] = byte >> (2 * t) & 3;
+                for (t, at) in four(p, h, j).into_iter().enumerate() {
+                    q[at] = byte >> (2 * t) & 3;
                 }
             }
         }

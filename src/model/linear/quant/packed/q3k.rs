@@ -19,7 +19,7 @@
 
 use super::super::kquant::{q3k_scales, quants, QK_K};
 use super::super::{Format, QWeight};
-use super::superblocks::Superblocks;
+use super::superblocks::{four, ggml_low_bits, low_bits, Superblocks};
 use super::ROWS;
 use half::f16;
 
@@ -43,10 +43,6 @@ pub(super) const fn highs_at(p: usize, m: usize) -> usize {
 pub(super) const fn lows_at(p: usize, h: usize) -> usize {
     highs_at(p, h / 2) + 32 + 32 * (h % 2)
 }
-
-/// The offsets from `64p + 8h + j` of the four weights a byte holds, in its order (Q2_K's
-/// too).
-pub(super) const FOUR: [usize; 4] = [0, 4, 32, 36];
 
 /// Q3_K's packed form.
 pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
@@ -73,20 +69,13 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
         }
         for h in 0..4 {
             for j in 0..4 {
-                let w = FOUR.map(|o| q[64 * p + 8 * h + j + o]);
-                let (mut lows, mut highs) = (0u8, 0u8);
-                for (t, w) in w.into_iter().enumerate() {
-                    lows |= (w & 3) << (2 * t);
-                    highs |= (w >> 2) << (4 * (h % 2) + t);
-                }
-                out.quants[base + lows_at(p, h) + 4 * l + j] = lows;
-                // h = 2m's bits first, then 2m + 1's beside them.
-                let at = base + highs_at(p, h / 2) + 4 * l + j;
-                out.quants[at] = if h % 2 == 0 {
-                    highs
-                } else {
-                    out.quants[at] | highs
-                };
+                let third = four(p, h, j)
+                    .into_iter()
+                    .enumerate()
+                    .fold(0u8, |acc, (t, at)| acc | (q[at] >> 2) << t);
+                out.quants[base + lows_at(p, h) + 4 * l + j] = low_bits(&q, p, h, j);
+                // h = 2m's third bits at bits 0-3, 2m + 1's at 4-7 (the unit starts zero).
+                out.quants[base + highs_at(p, h / 2) + 4 * l + j] |= third << (4 * (h % 2));
             }
         }
     }
@@ -104,9 +93,9 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
         for h in 0..4 {
             for j in 0..4 {
                 let lows = w.quants[base + lows_at(p, h) + 4 * l + j];
-                let highs = w.quants[base + highs_at(p, h / 2) + 4 * l + j] >> (4 * (h % 2));
-                for (t, o) in FOUR.into_iter().enumerate() {
-                    q[64 * p + 8 * h + j + o] = (lows >> (2 * t) & 3) | (highs >> t & 1) << 2;
+                let third = w.quants[base + highs_at(p, h / 2) + 4 * l + j] >> (4 * (h % 2));
+                for (t, at) in four(p, h, j).into_iter().enumerate() {
+                    q[at] = (lows >> (2 * t) & 3) | (third >> t & 1) << 2;
                 }
             }
         }
@@ -120,15 +109,6 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
     ggml_low_bits(&q, &mut blk[32..96]);
     blk[96..108].copy_from_slice(&q3k_scales_bytes(&sc));
     blk[108..].copy_from_slice(&w.scales[u * ROWS + l].to_le_bytes());
-}
-
-/// The two low bits of 256 quants as ggml's Q3_K and Q2_K `qs` (64 bytes): weight
-/// `128n + 32k + i`'s at bits `2k` of byte `32n + i`.
-pub(super) fn ggml_low_bits(q: &[u8; QK_K], qs: &mut [u8]) {
-    qs[..64].fill(0);
-    for (at, &q) in q.iter().enumerate() {
-        qs[32 * (at / 128) + at % 32] |= (q & 3) << (2 * (at % 128 / 32));
-    }
 }
 
 /// The 16 six-bit scales in ggml's 12 bytes ([`q3k_scales`] read backwards: the low nibbles

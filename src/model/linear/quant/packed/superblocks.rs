@@ -1,4 +1,5 @@
-//! What the packed K-quants ([`super::q4k`], [`super::q5k`], [`super::q6k`]) share: a
+//! What the packed K-quants ([`super::q2k`], [`super::q3k`], [`super::q4k`], [`super::q5k`],
+//! [`super::q6k`]) share: a
 //! superblock of 256 weights of 8 rows at a time (a *unit*: group `g`, superblock `c` of the
 //! row's `n`, at `g · n + c`), its `d` (and `dmin`) in `scales` (`mins`) at
 //! `unit · 8 + lane`, its quants at `unit · group_bytes` in an order of the format's own; and
@@ -102,4 +103,30 @@ fn units(w: &QWeight) -> usize {
 /// Where superblock `c` of row `r` lies: its unit, its lane.
 fn place(w: &QWeight, r: usize, c: usize) -> (usize, usize) {
     (r / ROWS * (w.cols / QK_K) + c, r % ROWS)
+}
+
+/// The offsets from `64p + 8h + j` of the four weights whose two low bits a byte `j` of
+/// Q3_K's and Q2_K's load `h` of pair `p` holds, from bit 0 up (the order of Q6_K's four
+/// vectors a load).
+const FOUR: [usize; 4] = [0, 4, 32, 36];
+
+/// Byte `j` of load `h` of pair `p` of two-bit quants: the low bits of 256 quants `q`.
+pub(super) fn low_bits(q: &[u8; QK_K], p: usize, h: usize, j: usize) -> u8 {
+    let at = 64 * p + 8 * h + j;
+    (0..4).fold(0, |byte, t| byte | (q[at + FOUR[t]] & 3) << (2 * t))
+}
+
+/// The weights `64p + 8h + j + FOUR[t]` (t = 0..4) of load `h` of pair `p`, into which
+/// [`low_bits`] and the like put bit `t` (Q3_K's third bits) or bits `2t`.
+pub(super) fn four(p: usize, h: usize, j: usize) -> [usize; 4] {
+    FOUR.map(|o| 64 * p + 8 * h + j + o)
+}
+
+/// The two low bits of 256 quants as ggml's Q3_K and Q2_K `qs` (64 bytes): weight
+/// `128n + 32k + i`'s at bits `2k` of byte `32n + i`.
+pub(super) fn ggml_low_bits(q: &[u8; QK_K], qs: &mut [u8]) {
+    qs[..64].fill(0);
+    for (at, &q) in q.iter().enumerate() {
+        qs[32 * (at / 128) + at % 32] |= (q & 3) << (2 * (at % 128 / 32));
+    }
 }

@@ -1,8 +1,8 @@
 //! The packed layout holds the same weights as the rows, and its kernel (where the CPU has
 //! AVX2: each set of tiles it runs) and the scalar loop over it equal x times the
 //! dequantized weights: every packed format, weight rows that are not a multiple of 8 (a
-//! pair of groups, a pair and one), 1 to 17 rows of x (the tile's 4, or Q6_K's 8 with
-//! AVX-512 VNNI, and the single rows after them).
+//! pair of groups, a pair and one), 1 to 17 rows of x (the tile's 4, or Q6_K's, Q3_K's and
+//! Q2_K's 8 with AVX-512 VNNI, and the single rows after them).
 
 use super::super::{Format, QRows, QWeight, BLOCK};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -101,8 +101,9 @@ fn packing_keeps_every_weight() {
             packed.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut a),
             rowwise.dequantize_transposed((5, 8), (BLOCK, 2 * BLOCK), &mut b),
         );
-        // Padded to 16 rows: 3 rows of zeros more, nothing else (Q4_K and Q5_K: their scales
-        // unpacked, 148 and 180 bytes a superblock instead of ggml's 144 and 176).
+        // Padded to 16 rows: 3 rows of zeros more, nothing else (Q3_K, Q4_K and Q5_K: their
+        // scales unpacked, 114, 148 and 180 bytes a superblock instead of ggml's 110, 144 and
+        // 176).
         let per_row = match format {
             Format::Q4K => cols / 256 * 148,
             Format::Q5K => cols / 256 * 180,
@@ -171,7 +172,7 @@ fn packed_products_equal_the_dequantized_product() {
 
 /// The sums' 16-bit bounds at their worst: every quant at its largest (Q8_0's −128 from a
 /// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (the tile's 4,
-/// or Q6_K's 8, and the single row after them).
+/// or Q6_K's, Q3_K's and Q2_K's 8, and the single row after them).
 #[test]
 fn extreme_blocks_stay_within_the_sums_bounds() {
     let (rows, cols) = (16, 256);
@@ -223,10 +224,15 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
             Format::Q3K,
             [&[0xFF; 96][..], &[0x00; 12], &one[..]].concat(),
         ),
-        // Q2_K: every q at 3, every scale and minimum at 15 (scales, qs, d, dmin).
+        // Q2_K: every q at 3, every scale and minimum at 15 (scales, qs, d, dmin); then
+        // scales at 15 and minimums at 1, which a swap of the two would not keep.
         (
             Format::Q2K,
             [&[0xFF; 16][..], &[0xFF; 64], &one[..], &one[..]].concat(),
+        ),
+        (
+            Format::Q2K,
+            [&[0x1F; 16][..], &[0xFF; 64], &one[..], &one[..]].concat(),
         ),
     ] {
         let per_row = cols / format.block_weights();

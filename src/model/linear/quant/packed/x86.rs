@@ -1,10 +1,11 @@
 //! The packed layout's kernel ([`super`]) on AVX2, AVX-512 VNNI (`avx512`'s 16-row tile too)
 //! and AVX-VNNI: per group of 8 weight rows and block of 32 columns, the integer sums of the
-//! 8 rows are one vector, for `RX` rows of x at once (`RX_Q6K_VNNI` in Q6_K's AVX-512 VNNI
-//! tile).
+//! 8 rows are one vector, for `RX` rows of x at once (`RX_SUB16_VNNI` in the AVX-512 VNNI tile
+//! of the K-quants with 16-weight sub-blocks).
 //!
 //! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`'s (Q4_K
-//! and Q5_K) and `q6k`'s. Each comes in three forms ([`MADD`], [`EVEX`], [`VEX`]) from one body.
+//! and Q5_K) and `q6k`'s (Q6_K, Q3_K, Q2_K). Each comes in three forms ([`MADD`], [`EVEX`],
+//! [`VEX`]) from one body.
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
@@ -117,13 +118,14 @@ pub(super) const Q5_1: u8 = 4;
 /// Rows of x a tile takes at once.
 const RX: usize = 4;
 
-/// Rows of x Q6_K's AVX-512 VNNI tile takes at once: its weights' unpacking (three loads, six
-/// shifts and masks a chunk) serves twice the rows, in the 32 vector registers AVX-512 gives
-/// the 256-bit code. Zen 4 (2 threads, alternating runs, tok/s, 4 rows / 8): the 1.7B shape's
-/// Q6_K file prefills 512 tokens at 91-101 / 102-110 (two A/Bs), SmolLM2's 825-1023 /
-/// 1050-1052. Q4_K and Q5_K lost with 8 (the 1.7B shape's Q5_K_M file at 64 tokens: 117-120
-/// / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
-const RX_Q6K_VNNI: usize = 8;
+/// Rows of x the AVX-512 VNNI tile of Q6_K, Q3_K and Q2_K (`q6k`'s) takes at once: its
+/// weights' unpacking (Q6_K's three loads, six shifts and masks a chunk) serves twice the rows,
+/// in the 32 vector registers AVX-512 gives the 256-bit code. Zen 4 (2 threads, alternating
+/// runs, tok/s, 4 rows / 8): the 1.7B shape's Q6_K file prefills 512 tokens at 91-101 /
+/// 102-110 (two A/Bs), SmolLM2's 825-1023 / 1050-1052; its Q2_K file at 98-99 / 107-108, its
+/// Q3_K_M file at 103-111 / 111-123. Q4_K and Q5_K lost with 8 (the 1.7B shape's Q5_K_M file
+/// at 64 tokens: 117-120 / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
+const RX_SUB16_VNNI: usize = 8;
 
 /// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
 /// of x (as many as the tile takes), written to `y`. Called through a pointer, once per
@@ -151,7 +153,7 @@ pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) 
 pub(super) struct Tiles {
     /// A group against `rows` rows of x.
     rx: Tile,
-    /// Rows of x that `rx` takes: [`RX`], or [`RX_Q6K_VNNI`].
+    /// Rows of x that `rx` takes: [`RX`], or [`RX_SUB16_VNNI`].
     rows: usize,
     /// A group against one row of x.
     one: Tile,
@@ -202,23 +204,11 @@ pub(super) unsafe fn rows_with(
 /// formats' 16-row ones where `pairs` (with [`EVEX`] only).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
     use super::q4k::x86 as q4k;
-    use super::q6k::x86::{self as q6k, Q2, Q3, Q6};
-    let eight = |rx: Tile, one: Tile| Tiles {
-        rx,
-        rows: RX_Q6K_VNNI,
-        one,
-        pair: None,
-    };
-    match (format, dot) {
-        (Format::Q6K, EVEX) => {
-            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q6>, q6k::tile_vnni::<1, Q6>)
-        }
-        (Format::Q3K, EVEX) => {
-            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q3>, q6k::tile_vnni::<1, Q3>)
-        }
-        (Format::Q2K, EVEX) => {
-            return eight(q6k::tile_vnni::<RX_Q6K_VNNI, Q2>, q6k::tile_vnni::<1, Q2>)
-        }
+    use super::q6k::x86::{Q2, Q3, Q6};
+    match format {
+        Format::Q6K => return sub16::<Q6>(dot),
+        Format::Q3K => return sub16::<Q3>(dot),
+        Format::Q2K => return sub16::<Q2>(dot),
         _ => {}
     }
     let (rx, one): (Tile, Tile) = match (format, dot) {
@@ -234,12 +224,7 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
             q4k::tile_avx_vnni::<1, true>,
         ),
         (Format::Q5K, _) => (q4k::tile::<RX, true>, q4k::tile::<1, true>),
-        (Format::Q6K, VEX) => (q6k::tile_avx_vnni::<RX, Q6>, q6k::tile_avx_vnni::<1, Q6>),
-        (Format::Q6K, _) => (q6k::tile::<RX, Q6>, q6k::tile::<1, Q6>),
-        (Format::Q3K, VEX) => (q6k::tile_avx_vnni::<RX, Q3>, q6k::tile_avx_vnni::<1, Q3>),
-        (Format::Q3K, _) => (q6k::tile::<RX, Q3>, q6k::tile::<1, Q3>),
-        (Format::Q2K, VEX) => (q6k::tile_avx_vnni::<RX, Q2>, q6k::tile_avx_vnni::<1, Q2>),
-        (Format::Q2K, _) => (q6k::tile::<RX, Q2>, q6k::tile::<1, Q2>),
+        (Format::Q2K | Format::Q3K | Format::Q6K, _) => unreachable!("taken by sub16 above"),
         (Format::Q8_0, _) => pick::<Q8_0>(dot),
         (Format::Q4_0, _) => pick::<Q4_0>(dot),
         (Format::Q4_1, _) => pick::<Q4_1>(dot),
@@ -260,6 +245,31 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
         rows: RX,
         one,
         pair,
+    }
+}
+
+/// The tiles of a K-quant with 16-weight sub-blocks (`q6k`'s, `BITS` names which) in form
+/// `dot`: of [`RX_SUB16_VNNI`] rows with AVX-512 VNNI, else of [`RX`].
+fn sub16<const BITS: u8>(dot: u8) -> Tiles {
+    use super::q6k::x86 as q6k;
+    let (rx, rows, one): (Tile, usize, Tile) = match dot {
+        EVEX => (
+            q6k::tile_vnni::<RX_SUB16_VNNI, BITS>,
+            RX_SUB16_VNNI,
+            q6k::tile_vnni::<1, BITS>,
+        ),
+        VEX => (
+            q6k::tile_avx_vnni::<RX, BITS>,
+            RX,
+            q6k::tile_avx_vnni::<1, BITS>,
+        ),
+        _ => (q6k::tile::<RX, BITS>, RX, q6k::tile::<1, BITS>),
+    };
+    Tiles {
+        rx,
+        rows,
+        one,
+        pair: None,
     }
 }
 

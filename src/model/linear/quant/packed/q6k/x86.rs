@@ -3,6 +3,9 @@
 //! superblocks of 16-weight sub-blocks with 8-bit scales (Q2_K's 4-bit, and a minimum
 //! each) and unsigned quants (Q6_K's and Q3_K's with an offset), which differ in how a load's
 //! quants and a pair's scales are unpacked.
+//!
+//! Over 300 lines on purpose: one tile body for the three formats and its three unpackings,
+//! which are nothing apart.
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
@@ -72,6 +75,7 @@ unsafe fn tile_in<const R: usize, const BITS: u8, const V: u8>(
 ) {
     // The intrinsics are unsafe calls here (this body has no target features of its own):
     // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
+    const { assert!(matches!(BITS, Q2 | Q3 | Q6)) };
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     let group = match BITS {
         Q3 => q3k::GROUP_BYTES,
@@ -197,19 +201,23 @@ unsafe fn tile_in<const R: usize, const BITS: u8, const V: u8>(
         for j in 0..R {
             // SAFETY: block 8c of row i0 + j of x: its superblock's scale.
             let dx = unsafe { _mm256_broadcast_ss(x.scales.get_unchecked((i0 + j) * nb + 8 * c)) };
-            if BITS == Q2 {
-                let sums =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d, dx), acc[j]);
-                let mins = _mm256_mul_ps(dmin, dx);
-                acc[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum[j]), mins, sums);
-                continue;
-            }
-            let offset = match BITS {
-                Q3 => _mm256_slli_epi32(osum[j], 2),
-                _ => _mm256_slli_epi32(osum[j], 5),
+            let ddx = _mm256_mul_ps(d, dx);
+            acc[j] = match BITS {
+                Q2 => {
+                    let sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), ddx, acc[j]);
+                    let mins = _mm256_mul_ps(dmin, dx);
+                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum[j]), mins, sums)
+                }
+                // Q3_K's offset of 4, Q6_K's of 32.
+                Q3 => {
+                    let q = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(osum[j], 2));
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), ddx, acc[j])
+                }
+                _ => {
+                    let q = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(osum[j], 5));
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), ddx, acc[j])
+                }
             };
-            let q = _mm256_sub_epi32(isum[j], offset);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(d, dx), acc[j]);
         }
     }
     // SAFETY: the caller's.
@@ -295,7 +303,7 @@ unsafe fn unpack_q3(base: *const u8, p: usize, h: usize) -> [__m256i; 4] {
         hb,
         _mm256_srli_epi16(hb, 1),
     ];
-    let low = [
+    let two = [
         lows,
         _mm256_srli_epi16(lows, 2),
         _mm256_srli_epi16(lows, 4),
@@ -305,7 +313,7 @@ unsafe fn unpack_q3(base: *const u8, p: usize, h: usize) -> [__m256i; 4] {
     let mut out = [_mm256_setzero_si256(); 4];
     for t in 0..4 {
         out[t] = _mm256_or_si256(
-            _mm256_and_si256(low[t], three),
+            _mm256_and_si256(two[t], three),
             _mm256_and_si256(third[t], four),
         );
     }
