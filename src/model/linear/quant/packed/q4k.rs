@@ -3,13 +3,14 @@
 //!
 //! Per group `g` and superblock `c` (of `n` a row), at `(g · n + c)`:
 //! - `scales[.. · 8 + l]`: row `8g + l`'s `d`; `mins[.. · 8 + l]`: its `dmin`;
-//! - `quants[.. · GROUP_BYTES ..]`: 1024 bytes of quants, then 64 of scales, then 64 of
-//!   minimums. The quants as ggml's `qs` (32 bytes per pair of sub-blocks `2p, 2p + 1`:
-//!   low nibbles the first, high the second), 4 bytes of each row per 32-byte load: load
-//!   `8p + v` holds row `l`'s bytes `32p + 4v .. + 4` at `4l`. The scales and minimums
-//!   unpacked from ggml's 12 bytes, per pair: 16 bytes at `16p`, row `l`'s `sc[2p]` and
-//!   `sc[2p + 1]` at `2l` and `2l + 1` (so that widened to 16 bits, lane `l` of a vector
-//!   of 32-bit lanes holds the pair).
+//! - `quants[.. · GROUP_BYTES ..]`: per pair of sub-blocks `2p, 2p + 1`, 288 bytes from
+//!   `288p` in the order the kernel reads them (one stream for the prefetchers, as Q6_K's):
+//!   the pair's scales and minimums unpacked from ggml's 12 bytes ([`scales_at`]: 16 bytes
+//!   of scales, row `l`'s `sc[2p]` and `sc[2p + 1]` at `2l` and `2l + 1`, so that widened
+//!   to 16 bits lane `l` of a vector of 32-bit lanes holds the pair; then 16 of minimums
+//!   alike), then its quants as ggml's `qs` (32 bytes a pair: low nibbles the first
+//!   sub-block, high the second), 4 bytes of each row per 32-byte load: load `v` (of 8,
+//!   [`nibbles_at`]) holds row `l`'s bytes `32p + 4v .. + 4` at `4l`.
 
 use super::super::kquant::{scale_min_k4, QK_K};
 use super::super::QWeight;
@@ -20,14 +21,18 @@ use half::f16;
 /// Bytes of one group's superblock in `quants`.
 pub(super) const GROUP_BYTES: usize = ROWS * (QK_K / 2 + 16);
 
-/// Where the scales and the minimums start in a group's superblock.
-pub(super) const SCALES: usize = 1024;
-pub(super) const MINS: usize = SCALES + 64;
+/// Where pair `p`'s 16 bytes of scales are in a group's superblock (its minimums' 16 next).
+pub(super) const fn scales_at(p: usize) -> usize {
+    288 * p
+}
 
 /// Where pair `p`'s load `v` (of 8) of nibbles is.
 pub(super) const fn nibbles_at(p: usize, v: usize) -> usize {
-    (8 * p + v) * 32
+    scales_at(p) + 32 + 32 * v
 }
+
+// The pairs' 288 bytes tile the superblock exactly.
+const _: () = assert!(nibbles_at(3, 7) + 32 == GROUP_BYTES);
 
 /// Q4_K's packed form.
 pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
@@ -52,28 +57,28 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
             out.quants[to..to + 4].copy_from_slice(&blk[from..from + 4]);
         }
     }
-    put_scales(&mut out.quants[base..], (SCALES, MINS), l, &sm);
+    put_scales(&mut out.quants[base..], scales_at, l, &sm);
 }
 
-/// Row `l`'s 8 scales and 8 minimums (`sm`, unpacked) into a group's superblock `group` at
-/// `at` (scales, minimums): per pair of sub-blocks 16 bytes, the row's two at `2l`. Q4_K's
-/// layout and Q5_K's.
-pub(super) fn put_scales(group: &mut [u8], at: (usize, usize), l: usize, sm: &[u8; 16]) {
+/// Row `l`'s 8 scales and 8 minimums (`sm`, unpacked) into a group's superblock `group`:
+/// per pair `p` of sub-blocks 16 bytes of scales at `at(p)` and 16 of minimums after them,
+/// the row's two at `2l`. Q4_K's layout and Q5_K's.
+pub(super) fn put_scales(group: &mut [u8], at: fn(usize) -> usize, l: usize, sm: &[u8; 16]) {
     for p in 0..4 {
         for k in 0..2 {
-            group[at.0 + 16 * p + 2 * l + k] = sm[2 * p + k];
-            group[at.1 + 16 * p + 2 * l + k] = sm[8 + 2 * p + k];
+            group[at(p) + 2 * l + k] = sm[2 * p + k];
+            group[at(p) + 16 + 2 * l + k] = sm[8 + 2 * p + k];
         }
     }
 }
 
 /// [`put_scales`] read back: row `l`'s 8 scales and minimums in ggml's 12 bytes (`out`).
-pub(super) fn get_scales(group: &[u8], at: (usize, usize), l: usize, out: &mut [u8]) {
+pub(super) fn get_scales(group: &[u8], at: fn(usize) -> usize, l: usize, out: &mut [u8]) {
     let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for p in 0..4 {
         for k in 0..2 {
-            sc[2 * p + k] = group[at.0 + 16 * p + 2 * l + k];
-            m[2 * p + k] = group[at.1 + 16 * p + 2 * l + k];
+            sc[2 * p + k] = group[at(p) + 2 * l + k];
+            m[2 * p + k] = group[at(p) + 16 + 2 * l + k];
         }
     }
     ggml_scales(&sc, &m, out);
@@ -91,7 +96,7 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
             blk[to..to + 4].copy_from_slice(&w.quants[from..from + 4]);
         }
     }
-    get_scales(&w.quants[base..], (SCALES, MINS), l, &mut blk[4..16]);
+    get_scales(&w.quants[base..], scales_at, l, &mut blk[4..16]);
 }
 
 /// The 8 six-bit scales and minimums in ggml's 12 bytes (`get_scale_min_k4` read

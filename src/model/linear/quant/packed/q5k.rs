@@ -4,8 +4,10 @@
 //!
 //! Per group `g` and superblock `c` (of `n` a row), at `(g · n + c)`: `scales[.. · 8 + l]`
 //! is row `8g + l`'s `d`, `mins[.. · 8 + l]` its `dmin`; `quants[.. · GROUP_BYTES ..]` holds,
-//! for each pair `p` of sub-blocks (`2p`, `2p + 1`: weights `64p..64p + 64`), 320 bytes from
-//! `320p` in the order the kernel reads them (one stream for the prefetchers, as Q6_K's):
+//! for each pair `p` of sub-blocks (`2p`, `2p + 1`: weights `64p..64p + 64`), 352 bytes from
+//! `352p` in the order the kernel reads them (one stream for the prefetchers, as Q6_K's):
+//! - the pair's scales and minimums unpacked from ggml's 12 bytes, as Q4_K's ([`scales_at`]:
+//!   16 bytes of scales, row `l`'s two at `2l`, `2l + 1`, then 16 of minimums);
 //! - for each `h` of 2: one load of fifth bits ([`highs_at`]), row `l`'s byte `j` at `4l + j`
 //!   holding at bit `k` the fifth bit of weight `4(4h + k) + j` of sub-block `2p` and at bit
 //!   `4 + k` that of sub-block `2p + 1`, so that a shift by one per load puts each load's bits
@@ -13,8 +15,6 @@
 //!   row `l`'s ggml `qs` bytes `32p + 4v .. + 4` at `4l` (low nibbles sub-block `2p`, high
 //!   `2p + 1`).
 //!
-//! Then the scales and minimums unpacked from ggml's 12 bytes, as Q4_K's: 64 bytes from
-//! [`SCALES`], 64 from [`MINS`], per pair 16 bytes at `16p`, row `l`'s two at `2l`, `2l + 1`.
 //! 180 bytes a row's superblock against ggml's 176 (the scales unpacked). The kernel is
 //! Q4_K's tile with its fifth bits (`q4k/x86.rs`).
 
@@ -28,16 +28,17 @@ use half::f16;
 /// Bytes of one group's superblock in `quants`.
 pub(super) const GROUP_BYTES: usize = ROWS * (QK_K / 2 + QK_K / 8 + 16);
 
-/// Where the scales and the minimums start in a group's superblock.
-pub(super) const SCALES: usize = 4 * 320;
-pub(super) const MINS: usize = SCALES + 64;
+// The pairs' 352 bytes tile the superblock exactly.
+const _: () = assert!(nibbles_at(3, 7) + 32 == GROUP_BYTES);
 
-// The pairs' 320 bytes, then 128 of scales and minimums, tile the superblock exactly.
-const _: () = assert!(nibbles_at(3, 7) + 32 == SCALES && MINS + 64 == GROUP_BYTES);
+/// Where pair `p`'s 16 bytes of scales are in a group's superblock (its minimums' 16 next).
+pub(super) const fn scales_at(p: usize) -> usize {
+    352 * p
+}
 
 /// Where pair `p`'s load `h` (of 2) of fifth bits is.
 pub(super) const fn highs_at(p: usize, h: usize) -> usize {
-    320 * p + 160 * h
+    scales_at(p) + 32 + 160 * h
 }
 
 /// Where pair `p`'s load `v` (of 8) of nibbles is.
@@ -80,7 +81,7 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
             }
         }
     }
-    put_scales(&mut out.quants[base..], (SCALES, MINS), l, &sm);
+    put_scales(&mut out.quants[base..], scales_at, l, &sm);
 }
 
 /// ggml's 176 bytes of lane `l` of unit `u`, into `blk`.
@@ -105,5 +106,5 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
             }
         }
     }
-    get_scales(&w.quants[base..], (SCALES, MINS), l, &mut blk[4..16]);
+    get_scales(&w.quants[base..], scales_at, l, &mut blk[4..16]);
 }

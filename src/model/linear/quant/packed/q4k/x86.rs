@@ -6,7 +6,7 @@ use super::super::super::{QRows, QWeight, BLOCK};
 use super::super::q5k;
 use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
-use super::{nibbles_at, GROUP_BYTES, MINS, SCALES};
+use super::{nibbles_at, scales_at, GROUP_BYTES};
 use std::arch::x86_64::*;
 
 three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize, const FIFTH: bool>);
@@ -50,9 +50,9 @@ unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
     // The format's layout of a group's superblock.
-    let (group_bytes, scales_at, mins_at): (usize, usize, usize) = match FIFTH {
-        true => (q5k::GROUP_BYTES, q5k::SCALES, q5k::MINS),
-        false => (GROUP_BYTES, SCALES, MINS),
+    let group_bytes = match FIFTH {
+        true => q5k::GROUP_BYTES,
+        false => GROUP_BYTES,
     };
     let (low, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
     // Per 32-bit lane, its first (second) 16-bit value twice.
@@ -83,15 +83,15 @@ unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
         let mut isum = [_mm256_setzero_si256(); R];
         let mut msum = [_mm256_setzero_si256(); R];
         for p in 0..4 {
+            let at = match FIFTH {
+                true => q5k::scales_at(p),
+                false => scales_at(p),
+            };
             // SAFETY: 16 bytes of scales and of minimums of pair p, within the superblock.
             let (sc, mp) = unsafe {
                 (
-                    _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                        base.add(scales_at + 16 * p) as *const __m128i
-                    )),
-                    _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                        base.add(mins_at + 16 * p) as *const __m128i
-                    )),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(at) as *const __m128i)),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(at + 16) as *const __m128i)),
                 )
             };
             let (sc_lo, sc_hi) = (
