@@ -11,6 +11,9 @@
 //!   alike), then its quants as ggml's `qs` (32 bytes a pair: low nibbles the first
 //!   sub-block, high the second), 4 bytes of each row per 32-byte load: load `v` (of 8,
 //!   [`nibbles_at`]) holds row `l`'s bytes `32p + 4v .. + 4` at `4l`.
+//!
+//! 148 bytes a row's superblock with its `d` and `dmin` against ggml's 144 (the scales
+//! unpacked).
 
 use super::super::kquant::{scale_min_k4, QK_K};
 use super::super::QWeight;

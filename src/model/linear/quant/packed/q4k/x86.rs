@@ -83,15 +83,15 @@ unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
         let mut isum = [_mm256_setzero_si256(); R];
         let mut msum = [_mm256_setzero_si256(); R];
         for p in 0..4 {
-            let at = match FIFTH {
+            let sm_at = match FIFTH {
                 true => q5k::scales_at(p),
                 false => scales_at(p),
             };
             // SAFETY: 16 bytes of scales and of minimums of pair p, within the superblock.
             let (sc, mp) = unsafe {
                 (
-                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(at) as *const __m128i)),
-                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(at + 16) as *const __m128i)),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(sm_at) as *const __m128i)),
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(base.add(sm_at + 16) as *const __m128i)),
                 )
             };
             let (sc_lo, sc_hi) = (
