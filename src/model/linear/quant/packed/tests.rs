@@ -2,7 +2,7 @@
 //! AVX2: each set of tiles it runs) and the scalar loop over it equal x times the
 //! dequantized weights: every packed format, weight rows that are not a multiple of 8 (a
 //! pair of groups, a pair and one), 1 to 17 rows of x (the tile's 4, or Q6_K's, Q3_K's and
-//! Q2_K's 8 with AVX-512 VNNI, and the single rows after them).
+//! Q2_K's 8 with AVX-512 VNNI, then 4, and the single rows after them).
 
 use super::super::{Format, QRows, QWeight, BLOCK};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -140,7 +140,7 @@ fn packed_products_equal_the_dequantized_product() {
             let cols = blocks * BLOCK;
             let q = weight(f, rows, cols, 2).repacked(true);
             let dense = q.dequantize();
-            for m in [1, 2, 4, 5, 9, 17] {
+            for m in [1, 2, 4, 5, 9, 13, 17] {
                 let x = data(m * cols, 3 + m as u32);
                 let xq = QRows::quantize_for(format, &x, cols);
                 let kernels = products(&q, &x);

@@ -157,6 +157,10 @@ pub(super) struct Tiles {
     rows: usize,
     /// A group against one row of x.
     one: Tile,
+    /// A group against [`RX`] rows of x where `rows` is larger: 4 of the rows the `rows`-row
+    /// tiles leave (Q6_K's, Q3_K's and Q2_K's 8-row tiles leave up to 7) go through it, not
+    /// through `one` four times, which would read the weights four times.
+    mid: Option<Tile>,
     /// Two adjacent groups against `RX` rows and against one: the 32-weight formats' where
     /// the CPU has AVX-512 VNNI, else none.
     pair: Option<(Tile, Tile)>,
@@ -181,9 +185,9 @@ pub(super) unsafe fn rows_with(
     // 33 against 40 tok/s), the one stream a thread reads instead of two.
     let mut g = g0;
     while g < g1 {
-        let (rx, one, step, rows) = match tiles.pair {
-            Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX),
-            _ => (tiles.rx, tiles.one, 1, tiles.rows),
+        let (rx, one, step, rows, mid) = match tiles.pair {
+            Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX, None),
+            _ => (tiles.rx, tiles.one, 1, tiles.rows, tiles.mid),
         };
         let mut i = 0;
         while i + rows <= m {
@@ -191,6 +195,11 @@ pub(super) unsafe fn rows_with(
             // caller's.
             unsafe { rx(w, g, x, i, y) };
             i += rows;
+        }
+        if let Some(mid) = mid.filter(|_| i + RX <= m) {
+            // SAFETY: as above, for rows i..i + RX.
+            unsafe { mid(w, g, x, i, y) };
+            i += RX;
         }
         for i in i..m {
             // SAFETY: as above, for row i.
@@ -244,6 +253,7 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
         rx,
         rows: RX,
         one,
+        mid: None,
         pair,
     }
 }
@@ -252,23 +262,26 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
 /// `dot`: of [`RX_SUB16_VNNI`] rows with AVX-512 VNNI, else of [`RX`].
 fn sub16<const BITS: u8>(dot: u8) -> Tiles {
     use super::q6k::x86 as q6k;
-    let (rx, rows, one): (Tile, usize, Tile) = match dot {
+    let (rx, rows, one, mid): (Tile, usize, Tile, Option<Tile>) = match dot {
         EVEX => (
             q6k::tile_vnni::<RX_SUB16_VNNI, BITS>,
             RX_SUB16_VNNI,
             q6k::tile_vnni::<1, BITS>,
+            Some(q6k::tile_vnni::<RX, BITS>),
         ),
         VEX => (
             q6k::tile_avx_vnni::<RX, BITS>,
             RX,
             q6k::tile_avx_vnni::<1, BITS>,
+            None,
         ),
-        _ => (q6k::tile::<RX, BITS>, RX, q6k::tile::<1, BITS>),
+        _ => (q6k::tile::<RX, BITS>, RX, q6k::tile::<1, BITS>, None),
     };
     Tiles {
         rx,
         rows,
         one,
+        mid,
         pair: None,
     }
 }
