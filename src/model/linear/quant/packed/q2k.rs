@@ -13,9 +13,9 @@
 //!
 //! 84 bytes a row's superblock with its `d` and `dmin`, as ggml's.
 
-use super::super::kquant::{quants, QK_K};
+use super::super::kquant::QK_K;
 use super::super::{Format, QWeight};
-use super::superblocks::{four, ggml_low_bits, low_bits, Superblocks};
+use super::superblocks::{all_quants, four, ggml_low_bits, low_bits, Superblocks};
 use super::ROWS;
 use half::f16;
 
@@ -50,10 +50,7 @@ fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
     let half = |at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]);
     out.scales[u * ROWS + l] = half(80);
     out.mins[u * ROWS + l] = half(82);
-    let mut q = [0u8; QK_K];
-    for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
-        chunk.copy_from_slice(&quants(Format::Q2K, blk, k));
-    }
+    let q = all_quants(Format::Q2K, blk);
     let base = u * GROUP_BYTES;
     for p in 0..4 {
         let to = base + scales_at(p) + 4 * l;

@@ -17,9 +17,9 @@
 //!
 //! 114 bytes a row's superblock with its `d` against ggml's 110 (the scales unpacked).
 
-use super::super::kquant::{q3k_scales, quants, QK_K};
+use super::super::kquant::{q3k_scales, QK_K};
 use super::super::{Format, QWeight};
-use super::superblocks::{four, ggml_low_bits, low_bits, Superblocks};
+use super::superblocks::{all_quants, four, ggml_low_bits, low_bits, Superblocks};
 use super::ROWS;
 use half::f16;
 
@@ -57,10 +57,7 @@ pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
 /// scales, d) as lane `l` of unit `u`.
 fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
     out.scales[u * ROWS + l] = f16::from_le_bytes([blk[108], blk[109]]);
-    let mut q = [0u8; QK_K];
-    for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
-        chunk.copy_from_slice(&quants(Format::Q3K, blk, k));
-    }
+    let q = all_quants(Format::Q3K, blk);
     let sc = q3k_scales(blk[96..108].try_into().expect("12 bytes"));
     let base = u * GROUP_BYTES;
     for p in 0..4 {

@@ -13,9 +13,9 @@
 //!   `64p + 8h + 4 + j` and `64p + 32 + 8h + 4 + j`, from its low bits up, so that one shift
 //!   and a mask put a load's bits at bits 4-5 of the matching nibble bytes.
 
-use super::super::kquant::{quants, QK_K};
+use super::super::kquant::QK_K;
 use super::super::{Format, QWeight};
-use super::superblocks::Superblocks;
+use super::superblocks::{all_quants, Superblocks};
 use super::ROWS;
 use half::f16;
 
@@ -52,10 +52,7 @@ pub(super) const SUPERBLOCKS: Superblocks = Superblocks {
 /// ggml's superblock `blk` as lane `l` of unit `u`.
 fn put(out: &mut QWeight, u: usize, l: usize, blk: &[u8]) {
     out.scales[u * ROWS + l] = f16::from_le_bytes([blk[208], blk[209]]);
-    let mut q = [0u8; QK_K];
-    for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
-        chunk.copy_from_slice(&quants(Format::Q6K, blk, k));
-    }
+    let q = all_quants(Format::Q6K, blk);
     let base = u * GROUP_BYTES;
     for p in 0..4 {
         for v in 0..8 {

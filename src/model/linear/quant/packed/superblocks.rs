@@ -130,3 +130,12 @@ pub(super) fn ggml_low_bits(q: &[u8; QK_K], qs: &mut [u8]) {
         qs[32 * (at / 128) + at % 32] |= (q & 3) << (2 * (at % 128 / 32));
     }
 }
+
+/// The 256 unsigned quants of ggml's superblock `blk` of a K-quant, in order.
+pub(super) fn all_quants(format: Format, blk: &[u8]) -> [u8; QK_K] {
+    let mut q = [0u8; QK_K];
+    for (k, chunk) in q.chunks_exact_mut(32).enumerate() {
+        chunk.copy_from_slice(&super::super::kquant::quants(format, blk, k));
+    }
+    q
+}
