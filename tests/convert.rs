@@ -553,7 +553,8 @@ fn calibration_from_a_directory_or_several_files_is_their_text_joined() {
 }
 
 /// Token-by-token decode gives the full forward's NLL in SmolLM2's bf16 weights and cache,
-/// original and MLA: the mean NLL of 127 next tokens within 1e-2 (as the bf16 NLL against
+/// original and MLA (`mla:64` with kv_b_proj folded into q_proj and o_proj, `mla:192` with it
+/// kept per head in bf16: `forms::per_head`'s bf16 products): the mean NLL of 127 next tokens within 1e-2 (as the bf16 NLL against
 /// transformers). bf16 products round their inputs to bf16, so an f32 sum in another order
 /// (a prompt's tile against a decode step's) can move a rounding: single logits of the two
 /// differ by up to ~0.4. (Zen 5 with AVX-512 BF16, 2026-11-27: 1.4e-3 for both; 4.5e-3 for
@@ -567,7 +568,13 @@ fn smollm2_bf16_decode_matches_forward_original_and_mla() {
     let text = std::fs::read_to_string(data("passage.txt")).unwrap();
     let base = original(dir);
     let (conv, _) = convert(dir, "mla:64,rope=64", None);
-    for (name, loaded) in [("original", &base), ("mla:64,rope=64", &conv)] {
+    let (wide, _) = convert(dir, "mla:192,rope=64", None);
+    let models = [
+        ("original", &base),
+        ("mla:64,rope=64", &conv),
+        ("mla:192,rope=64", &wide),
+    ];
+    for (name, loaded) in models {
         assert_eq!(loaded.model.dtype(), DType::BF16);
         let ids = loaded.tokenizer.as_ref().unwrap().encode(&text).unwrap();
         let ids = &ids[..128];

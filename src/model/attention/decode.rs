@@ -375,7 +375,7 @@ pub(crate) use tile::exp;
 pub(crate) use tile::softmax_row;
 
 /// bf16 values as their raw bits.
-fn bits(x: &[bf16]) -> &[u16] {
+pub(super) fn bits(x: &[bf16]) -> &[u16] {
     // SAFETY: half::bf16 is #[repr(transparent)] over u16: same size, alignment and length.
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u16, x.len()) }
 }

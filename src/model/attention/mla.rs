@@ -25,7 +25,7 @@ use crate::model::linear::{linear_b, linear_no_bias, Linear};
 use crate::model::norm::RmsNorm;
 use crate::model::rope::Rotation;
 use crate::model::{activation_dtype, rms_norm};
-use candle_core::{Error, Module, Result, Tensor, D};
+use candle_core::{DType, Error, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// The eps of the latent norms (`q_a_layernorm`, `kv_a_layernorm`).
@@ -59,8 +59,9 @@ enum UpProj {
     /// Split per head, multiplied at every step: the absorbed form's `q_nope · W_UK` and
     /// `o_lat · W_UVᵀ`, the expanded form's up-projections.
     PerHead {
-        /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous,
-        /// in the activations' dtype (candle's CPU matmul has no fast bf16 path).
+        /// kv_b_proj's key rows per head, (H, qk_nope_head_dim, kv_lora_rank), contiguous:
+        /// on CPU as stored when bf16 (our kernels read bf16 as it is), else in the
+        /// activations' dtype.
         w_uk: Tensor,
         /// kv_b_proj's value rows per head, (H, v_head_dim, kv_lora_rank), contiguous.
         w_uv: Tensor,
@@ -113,11 +114,14 @@ impl MlaAttention {
         let w = kv_b_proj
             .weight()
             .ok_or_else(|| Error::Msg("kv_b_proj is quantized".into()))?;
-        // In the activations' dtype: candle's CPU matmul has no fast bf16 path, and these
-        // per-head products are small.
-        let w = w
-            .reshape((h, nope + v, r))?
-            .to_dtype(activation_dtype(w.dtype(), w.device()))?;
+        // Kept bf16 on CPU, where a decode step's per-head products (`forms::per_head`) read
+        // all of it: as f32 it was twice the bytes, 26 MB a token for `mla:192,rope=64` on
+        // SmolLM2. Elsewhere in the activations' dtype.
+        let w = w.reshape((h, nope + v, r))?;
+        let w = match w.device().is_cpu() && w.dtype() == DType::BF16 {
+            true => w,
+            false => w.to_dtype(activation_dtype(w.dtype(), w.device()))?,
+        };
         let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // (H, nope, r)
         let w_uv = w.narrow(1, nope, v)?.contiguous()?; // (H, v, r)
         let o_proj = linear_b(h * m.v_head_dim, hidden, m.bias, vb.pp("o_proj"))?;

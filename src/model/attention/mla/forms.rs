@@ -6,11 +6,13 @@
 use super::{MlaAttention, UpProj};
 use crate::config::MlaConfig;
 use crate::kv_cache::Held;
+use crate::model::activation_dtype;
 use crate::model::attention::{decode, sdpa, sdpa_held};
 use crate::model::cpu::{cat_rows, f32_rows};
 use crate::model::linear::simd::{self, Isa};
 use crate::model::linear::{matvec, Linear};
-use candle_core::{DType, Error, Result, Storage, Tensor, D};
+use crate::model::pool::{Disjoint, Pool};
+use candle_core::{CpuStorage, DType, Error, Result, Storage, Tensor, D};
 
 /// `q_proj` and `o_proj` with `kv_b_proj` folded in ([`UpProj::Folded`]), in q_proj's and
 /// o_proj's dtype: per head, the query's nope rows become `W_UKᵀ · W_q,nope` (r rows) beside
@@ -77,9 +79,10 @@ impl MlaAttention {
         let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
         // All heads in one product each, the halves seen as (H·width, r) matrices:
         // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
-        // In the halves' dtype (f32 on CPU): a bf16 cache's latents widened once here, rather
-        // than K and V rounded to bf16 and widened again for the attention.
-        let act = w_uk.dtype();
+        // In the activations' dtype (f32 on CPU, the halves read as stored): a bf16 cache's
+        // latents widened once here, rather than K and V rounded to bf16 and widened again
+        // for the attention.
+        let act = activation_dtype(w_uk.dtype(), w_uk.device());
         let c_kv = c_kv.squeeze(1)?.to_dtype(act)?;
         let up = |w: &Tensor, width: usize| -> Result<Tensor> {
             let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
@@ -115,7 +118,7 @@ impl MlaAttention {
             UpProj::Folded => q_nope.clone(),
             UpProj::PerHead { w_uk, .. } => {
                 let q_nope = q_nope
-                    .to_dtype(w_uk.dtype())?
+                    .to_dtype(activation_dtype(w_uk.dtype(), w_uk.device()))?
                     .transpose(0, 1)?
                     .contiguous()?
                     .reshape((h, b * t, m.qk_nope_head_dim))?;
@@ -146,7 +149,7 @@ impl MlaAttention {
         };
         // o_i = o_lat_i · W_UV_iᵀ per head: (H, B·T, r) x (H, r, v) -> (H, B·T, v)
         let o_lat = o_lat
-            .to_dtype(w_uv.dtype())?
+            .to_dtype(activation_dtype(w_uv.dtype(), w_uv.device()))?
             .transpose(0, 1)?
             .contiguous()?
             .reshape((h, b * t, r))?;
@@ -169,17 +172,19 @@ pub(super) fn cat_last(parts: &[&Tensor]) -> Result<Tensor> {
 }
 
 /// `x (H, M, K)` times each head's `w`, (H, M, N): `w` (H, K, N) gives `x_h · w_h`, and with
-/// `rows` a `w` of (H, N, K) gives `x_h · w_hᵀ`. On CPU in f32, head after head on this
-/// thread by the decode op's value sum ([`decode::accumulate`]) or the kernels' rows product
-/// ([`simd::rows_f32`]): candle's batched matmul ran its general gemm on these small
-/// products (one row of x a head in a decode step), 11% of `mla:192,rope=64`'s step on two
-/// cores. Elsewhere candle's matmul.
+/// `rows` a `w` of (H, N, K) gives `x_h · w_hᵀ`. On CPU (f32 x, f32 or bf16 w) on our
+/// kernels, the heads over the [`Pool`]: the decode op's value sum ([`decode::accumulate`])
+/// or the rows product ([`simd`]). candle's batched matmul ran its general gemm on these
+/// small products (one row of x a head in a decode step), 11% of `mla:192,rope=64`'s step on
+/// two cores; head after head on one thread in f32 they were still 2 ms of its 14 ms at 32
+/// positions (Zen 4). Elsewhere candle's matmul.
 fn per_head(x: &Tensor, w: &Tensor, rows: bool) -> Result<Tensor> {
-    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    if !(f32_cpu(x) && f32_cpu(w)) {
+    let cpu = x.device().is_cpu() && w.device().is_cpu();
+    if !(cpu && x.dtype() == DType::F32 && matches!(w.dtype(), DType::F32 | DType::BF16)) {
+        let w = w.to_dtype(x.dtype())?;
         return match rows {
             true => x.matmul(&w.transpose(1, 2)?),
-            false => x.matmul(w),
+            false => x.matmul(&w),
         };
     }
     let ((h, m, k), (wh, a, b)) = (x.dims3()?, w.dims3()?);
@@ -202,15 +207,72 @@ fn per_head(x: &Tensor, w: &Tensor, rows: bool) -> Result<Tensor> {
         let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
             return Err(Error::Msg("MLA per-head product: not on the CPU".into()));
         };
-        let (xv, wv) = (f32_rows(xs, xl, "MLA's x")?, f32_rows(ws, wl, "MLA's w")?);
-        let isa = Isa::current();
-        let heads = xv.chunks_exact(m * k).zip(wv.chunks_exact(k * n));
-        for ((xh, wh), yh) in heads.zip(y.chunks_exact_mut(m * n)) {
-            match rows {
-                true => simd::rows_f32(isa, xh, k, wh, yh),
-                false => decode::accumulate(isa, xh, wh, (n, n), yh),
-            }
+        let xv = f32_rows(xs, xl, "MLA's x")?;
+        let Some((w0, w1)) = wl.contiguous_offsets() else {
+            return Err(Error::Msg("MLA's w must be contiguous".into()));
+        };
+        let out = Disjoint(y.as_mut_ptr());
+        let shape = (m, k, n, rows);
+        match ws {
+            CpuStorage::F32(wv) => heads(xv, &wv[w0..w1], shape, &out),
+            CpuStorage::BF16(wv) => heads(xv, decode::bits(&wv[w0..w1]), shape, &out),
+            _ => unreachable!("w is f32 or bf16 (checked above)"),
         }
     }
     Tensor::from_vec(y, (h, m, n), x.device())
 }
+
+/// A weight element [`per_head`] reads: f32, or bf16 as raw bits.
+trait HeadWeight: decode::Cached {
+    /// `y (M, N) = x (M, K) · wᵀ` for `w` (N, K).
+    fn rows(isa: Isa, x: &[f32], k: usize, w: &[Self], y: &mut [f32]);
+}
+
+impl HeadWeight for f32 {
+    fn rows(isa: Isa, x: &[f32], k: usize, w: &[f32], y: &mut [f32]) {
+        simd::rows_f32(isa, x, k, w, y)
+    }
+}
+
+impl HeadWeight for u16 {
+    fn rows(isa: Isa, x: &[f32], k: usize, w: &[u16], y: &mut [f32]) {
+        // As a bf16 linear reads x on this CPU (`matvec`): rounded to bf16 where it multiplies
+        // bf16 pairs, else widened against w in pairs.
+        match simd::bf16_pairs(isa) {
+            true => simd::rows_bf16_pairs(isa, &simd::bf16_bits_of(isa, x), k, w, y),
+            false => simd::rows_bf16(isa, &simd::pair_layout(x, k, |v| v), k, w, y),
+        }
+    }
+}
+
+/// Each head's product of [`per_head`] into its (M, N) of `out`: `x` (H, M, K), `w` (H, K, N)
+/// or, with `rows`, (H, N, K). On the pool when the weights are large enough to pay for it
+/// (`mla:192,rope=64`'s 221 KB of bf16 a product on SmolLM2).
+fn heads<W: HeadWeight>(
+    x: &[f32],
+    w: &[W],
+    (m, k, n, rows): (usize, usize, usize, bool),
+    out: &Disjoint,
+) {
+    let isa = Isa::current();
+    let h = x.len() / (m * k);
+    let head = |i: usize| {
+        let (xh, wh) = (
+            &x[i * m * k..(i + 1) * m * k],
+            &w[i * k * n..(i + 1) * k * n],
+        );
+        // SAFETY: head i alone writes its m·n values of y, which holds h·m·n.
+        let yh = unsafe { std::slice::from_raw_parts_mut(out.at(i * m * n), m * n) };
+        match rows {
+            true => W::rows(isa, xh, k, wh, yh),
+            false => decode::accumulate(isa, xh, wh, (n, n), yh),
+        }
+    };
+    match std::mem::size_of_val(w) >= PARALLEL_BYTES {
+        true => Pool::global().run(h, &head),
+        false => (0..h).for_each(head),
+    }
+}
+
+/// Weight bytes from which [`heads`] runs on the pool (as `matvec`'s serial bound).
+const PARALLEL_BYTES: usize = 96 * 1024;
