@@ -1,6 +1,8 @@
 //! Attention for one new token, the whole of it in one candle op on CPU: scores, softmax and
 //! the weighted sum of values, read straight from the cache views, in f32 (on AVX-512 BF16
-//! a bf16 cache's keys meet the query rounded to bf16, as bf16 pairs: [`query`]).
+//! a bf16 cache's keys meet the query rounded to bf16, as bf16 pairs: [`query`]; and its
+//! values the softmax weights rounded to bf16, as transformers' bf16 attention rounds them:
+//! `pairs`).
 //!
 //! Through candle's ops this step is ten tensor ops per layer, and its small batched matmuls
 //! read the cache far below the memory bandwidth (decode at 2k positions ran at half the
@@ -77,7 +79,7 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str, gaps: bool) -> Result
 }
 
 /// The cache's element types: f32 as is, bf16 as raw bits (keys for the pair-reading
-/// kernels, values widened in [`accumulate`]). The query comes in the form the key kernel
+/// kernels, values read in pairs or widened in [`accumulate`]). The query comes in the form the key kernel
 /// reads ([`Query`]), made once per step by the caller.
 pub(super) trait Cached: Copy + Sync {
     /// `out[h·ld + j]` = query head h · key row j, for every row of `k`.
@@ -86,6 +88,8 @@ pub(super) trait Cached: Copy + Sync {
     /// `out` is valid for writes at every `h·ld + j` and nothing else touches them.
     unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[Self], out: *mut f32, ld: usize);
     fn widen(self) -> f32;
+    /// The values as raw bf16 bits, for the pair-reading value sum (`pairs`): `None` for f32.
+    fn bf16_bits(v: &[Self]) -> Option<&[u16]>;
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[Self], dv: (usize, usize), acc: &mut [f32]);
@@ -102,6 +106,9 @@ impl Cached for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
+    }
+    fn bf16_bits(_: &[f32]) -> Option<&[u16]> {
+        None
     }
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[f32], dv: (usize, usize), acc: &mut [f32]) {
@@ -124,6 +131,9 @@ impl Cached for u16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
+    }
+    fn bf16_bits(v: &[u16]) -> Option<&[u16]> {
+        Some(v)
     }
     #[cfg(target_arch = "aarch64")]
     fn accumulate_neon(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
@@ -366,6 +376,8 @@ impl CustomOp3 for DecodeAttention<'_> {
 #[cfg(target_arch = "aarch64")]
 mod arm;
 mod each;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 mod query;
 mod tile;
 

@@ -2,6 +2,8 @@
 //! (`exp(s·scale − max)`, by a polynomial the compiler vectorizes, not libm's `expf` per
 //! value) and the value sum `acc (M, Dv) += p (M, L) · v (L, Dv)` in register tiles.
 //!
+//! (Where the CPU multiplies bf16 pairs, a bf16 cache's value sum is `pairs`' instead.)
+//!
 //! Both are plain Rust over fixed-size arrays, compiled once per instruction set with
 //! `target_feature`, so that LLVM keeps a tile's accumulators in registers: MR query heads ×
 //! CH values of Dv, across every cached row of the block, each row of v read once per MR
@@ -10,7 +12,7 @@
 //! nine heads per latent.) Tested against the plain loops in `super::tests`.
 
 use super::Cached;
-use crate::model::linear::simd::{Isa, IsaKind};
+use crate::model::linear::simd::{self, Isa, IsaKind};
 
 /// `acc (M, Dv) += p (M, L) · v (L, Dv)`, row j of v at `v[j·vs..j·vs + dv]`; M = acc / Dv
 /// and L = p / M.
@@ -23,6 +25,11 @@ pub fn accumulate<T: Cached>(
 ) {
     if dv == 0 || acc.is_empty() {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(v), true) = (T::bf16_bits(v), simd::bf16_pairs(isa)) {
+        // SAFETY: `bf16_pairs` asked the CPU for AVX-512 BF16.
+        return unsafe { super::pairs::accumulate(p, v, (dv, vs), acc) };
     }
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
