@@ -89,6 +89,7 @@ pub(super) trait Cached: Copy + Sync {
     unsafe fn scores(isa: Isa, q: Query, d: usize, k: &[Self], out: *mut f32, ld: usize);
     fn widen(self) -> f32;
     /// The values as raw bf16 bits, for the pair-reading value sum (`pairs`): `None` for f32.
+    #[cfg(target_arch = "x86_64")]
     fn bf16_bits(v: &[Self]) -> Option<&[u16]>;
     /// [`accumulate`] on NEON for this element type (`arm`).
     #[cfg(target_arch = "aarch64")]
@@ -107,6 +108,7 @@ impl Cached for f32 {
     fn widen(self) -> f32 {
         self
     }
+    #[cfg(target_arch = "x86_64")]
     fn bf16_bits(_: &[f32]) -> Option<&[u16]> {
         None
     }
@@ -132,6 +134,7 @@ impl Cached for u16 {
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
     }
+    #[cfg(target_arch = "x86_64")]
     fn bf16_bits(v: &[u16]) -> Option<&[u16]> {
         Some(v)
     }

@@ -12,7 +12,7 @@
 //! nine heads per latent.) Tested against the plain loops in `super::tests`.
 
 use super::Cached;
-use crate::model::linear::simd::{self, Isa, IsaKind};
+use crate::model::linear::simd::{Isa, IsaKind};
 
 /// `acc (M, Dv) += p (M, L) · v (L, Dv)`, row j of v at `v[j·vs..j·vs + dv]`; M = acc / Dv
 /// and L = p / M.
@@ -27,7 +27,7 @@ pub fn accumulate<T: Cached>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Some(v), true) = (T::bf16_bits(v), simd::bf16_pairs(isa)) {
+    if let (Some(v), true) = (T::bf16_bits(v), crate::model::linear::simd::bf16_pairs(isa)) {
         // SAFETY: `bf16_pairs` asked the CPU for AVX-512 BF16.
         return unsafe { super::pairs::accumulate(p, v, (dv, vs), acc) };
     }
