@@ -387,12 +387,13 @@ fn decode_attention_through_a_block_table_equals_in_order() {
 }
 
 /// Over a bf16 cache, the decode op and a prompt's last row (`sdpa` with its mask) both give
-/// the attention of the query rounded to bf16 exactly where the CPU multiplies bf16 pairs
-/// (AVX-512 BF16), and of the query as it is elsewhere: within 1e-5 of the f32 reference
-/// over that query (met by the other query, the prompt row and the step miss it by 4e-4 and
-/// 8e-4). Where it multiplies pairs, the decode step's value sum also takes the softmax
-/// weights rounded to bf16 (as transformers' bf16 attention does, `softmax(..).to(bf16)`):
-/// within 1e-5 of that reference, which the f32 weights miss by 4e-4.
+/// the attention of the query rounded to bf16 where the CPU multiplies bf16 pairs (AVX-512
+/// BF16), and of the query as it is elsewhere: within 1e-5 of the f32 reference over that
+/// query (met by the other query, the prompt row and the step miss it by 4e-4 and 8e-4).
+/// Where it multiplies pairs, both also sum the values with their softmax weights rounded to
+/// bf16 (as transformers' bf16 attention does, `softmax(..).to(bf16)`), both the weights'
+/// numerators, divided by their sum after: within 1e-5 of that reference, which the f32
+/// weights miss by 4e-4.
 #[test]
 fn a_bf16_cache_meets_the_query_rounded_where_the_cpu_multiplies_pairs() {
     use tiny_decoder::model::linear::simd::{self, Isa};
@@ -412,40 +413,41 @@ fn a_bf16_cache_meets_the_query_rounded_where_the_cpu_multiplies_pairs() {
     };
     let mask = causal_mask(s, s, usize::MAX, DType::F32, &dev).unwrap();
     let want = naive_attention(&q_met, &wide(&kb), &wide(&vb), 0.125, Some(&mask)).unwrap();
-    let last = |t: &Tensor| {
-        let t = t.narrow(2, s - 1, 1).unwrap().flatten_all().unwrap();
-        t.to_vec1::<f32>().unwrap()
-    };
-    // The last row again, its weights rounded to bf16 for the values (not for their sum).
+    let want = want.narrow(2, s - 1, 1).unwrap().flatten_all().unwrap();
+    let want = want.to_vec1::<f32>().unwrap();
+    // The last row again, each weight e = exp(score − max) taken as `weight(e, Σe)`.
     let rows = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (qm, kw, vw) = (rows(&q_met), rows(&wide(&kb)), rows(&wide(&vb)));
-    let mut rounded = vec![0f32; h * d];
-    for (head, out) in rounded.chunks_exact_mut(d).enumerate() {
-        let (qh, kv) = (&qm[(head * s + s - 1) * d..][..d], head / (h / g) * s * d);
-        let score = |j: usize| (0..d).map(|i| qh[i] * kw[kv + j * d + i]).sum::<f32>() * 0.125;
-        let top = (0..s).map(score).fold(f32::NEG_INFINITY, f32::max);
-        let p: Vec<f32> = (0..s).map(|j| (score(j) - top).exp()).collect();
-        let total: f32 = p.iter().sum();
-        for (j, pj) in p.iter().enumerate() {
-            let pj = half::bf16::from_f32(*pj).to_f32();
-            for (o, x) in out.iter_mut().zip(&vw[kv + j * d..][..d]) {
-                *o += pj * x / total;
+    let last_row = |weight: &dyn Fn(f32, f32) -> f32| {
+        let mut out = vec![0f32; h * d];
+        for (head, out) in out.chunks_exact_mut(d).enumerate() {
+            let (qh, kv) = (&qm[(head * s + s - 1) * d..][..d], head / (h / g) * s * d);
+            let score = |j: usize| (0..d).map(|i| qh[i] * kw[kv + j * d + i]).sum::<f32>() * 0.125;
+            let top = (0..s).map(score).fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = (0..s).map(|j| (score(j) - top).exp()).collect();
+            let total: f32 = e.iter().sum();
+            for (j, ej) in e.iter().enumerate() {
+                for (o, x) in out.iter_mut().zip(&vw[kv + j * d..][..d]) {
+                    *o += weight(*ej, total) * x;
+                }
             }
         }
-    }
+        out
+    };
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    let wants = match pairs {
+        true => last_row(&|e, total| round(e) / total),
+        false => want,
+    };
     let prompt = sdpa(&q, &kb, &vb, 0.125, Some(&mask)).unwrap();
+    let prompt = prompt.narrow(2, s - 1, 1).unwrap().flatten_all().unwrap();
     let q_last = q.narrow(2, s - 1, 1).unwrap().contiguous().unwrap();
     let step = sdpa(&q_last, &kb, &vb, 0.125, None).unwrap();
-    let step = step.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let step_wants = match pairs {
-        true => rounded,
-        false => last(&want),
-    };
-    for (how, got, want) in [
-        ("prompt", last(&prompt), last(&want)),
-        ("decode", step, step_wants),
+    for (how, got, wants) in [
+        ("prompt", prompt, &wants),
+        ("decode", step.flatten_all().unwrap(), &wants),
     ] {
-        let diff = common::max_abs_diff(&got, &want);
+        let diff = common::max_abs_diff(&got.to_vec1::<f32>().unwrap(), wants);
         assert!(diff < 1e-5, "{how}, pairs {pairs}: {diff}");
     }
 }

@@ -380,7 +380,7 @@ impl CustomOp3 for DecodeAttention<'_> {
 mod arm;
 mod each;
 #[cfg(target_arch = "x86_64")]
-mod pairs;
+pub(super) mod pairs;
 mod query;
 mod tile;
 

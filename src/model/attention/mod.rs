@@ -164,6 +164,17 @@ pub fn sdpa(
         return q.contiguous()?.apply_op3_no_bwd(k, v, &op); // (B, H, 1, Dv)
     }
     let f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
+    let bf16 = [k, v].iter().all(|t| t.dtype() == DType::BF16);
+    if let (true, Some(mask)) = (bf16 && simd::bf16_pairs(simd::Isa::current()), mask) {
+        // A prompt over a bf16 cache where the CPU multiplies bf16 pairs: q rounded to bf16
+        // (as the decode op rounds it) and k, v read as they are, in one pass per piece of
+        // query rows (`prompt/fused.rs`).
+        let qb = q.to_dtype(DType::BF16)?.contiguous()?;
+        let qb = qb.reshape((b, g, (h / g) * t, dk))?;
+        if let Some(y) = prompt::attention(&qb, k, v, scale as f32, mask) {
+            return y?.reshape((b, h, t, v.dim(3)?))?.to_dtype(q.dtype());
+        }
+    }
     if !f32 && q.device().is_cpu() {
         // candle's CPU matmul has no bf16/f16 kernel: each product would widen its operands
         // and narrow its result, the (.., T, S) scores four times over. In f32 from here on,

@@ -69,17 +69,25 @@ pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
 /// One row of scores into its weights: `softmax(row · scale + mask)`, exactly 0 where the
 /// mask hides.
 fn weights_row(isa: Isa, row: &mut [f32], scale: f32, hide: &[f32]) {
+    let total = numerators_row(isa, row, scale, hide);
+    if total > 0.0 {
+        row.iter_mut().for_each(|x| *x /= total); // else every key hidden: zeros
+    }
+}
+
+/// One row of scores into the numerators of its weights, `exp(row · scale + mask − max)`,
+/// exactly 0 where the mask hides; returns their sum (0 or NaN where it hides every key).
+fn numerators_row(isa: Isa, row: &mut [f32], scale: f32, hide: &[f32]) -> f32 {
     for (x, m) in row.iter_mut().zip(hide) {
         *x = *x * scale + m;
     }
     let (_, total) = softmax_row(isa, row, 1.0);
     for (x, m) in row.iter_mut().zip(hide) {
-        *x = if *m == f32::NEG_INFINITY {
-            0.0
-        } else {
-            *x / total
-        };
+        if *m == f32::NEG_INFINITY {
+            *x = 0.0;
+        }
     }
+    total
 }
 
 /// `softmax(scores · scale + mask)` along the last dimension: scores (.., k·T, S) in rows of

@@ -15,7 +15,7 @@
 //! softmax (`softmax(..).to(bf16)` before the product with V): a relative error below 2⁻⁸
 //! per weight, random in sign, in sums kept in f32 (llama.cpp's CPU flash attention sums an
 //! f16 cache's values in f16). An odd last row and the columns past a multiple of 32 are
-//! summed in f32.
+//! summed in f32, of the same rounded weights.
 //!
 //! Zen 4, the decode op alone (`probe_decode_attention`, 2 threads, alternating rounds):
 //! `mla:192,rope=64`'s 30 layers at 6000 positions 303-367 -> 243-258 us a layer,
@@ -46,19 +46,30 @@ const PERMUTE: [[i32; 16]; 2] = [
 ];
 
 /// `acc (M, Dv) += p (M, L) · v (L, Dv)`, row j of v at `v[j·vs..j·vs + dv]` (raw bf16
-/// bits); M = acc / Dv and L = p / M.
+/// bits); M = acc / Dv and L = p / M; p rounded to bf16.
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW, VL and BF16 (`simd::bf16_pairs`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub unsafe fn accumulate(p: &[f32], v: &[u16], (dv, vs): (usize, usize), acc: &mut [f32]) {
+pub unsafe fn accumulate(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
+    let pb = simd::bf16_bits_of(Isa::current(), p);
+    // SAFETY: the caller's contract.
+    unsafe { accumulate_bits(&pb, v, dv, acc) }
+}
+
+/// [`accumulate`] for p already in bf16 (raw bits): a prompt's query rows against its keys
+/// transposed (`prompt/fused.rs`).
+///
+/// # Safety
+/// As for [`accumulate`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub unsafe fn accumulate_bits(pb: &[u16], v: &[u16], (dv, vs): (usize, usize), acc: &mut [f32]) {
     let m = acc.len() / dv;
-    let l = p.len() / m;
+    let l = pb.len() / m;
     assert!(
         l == 0 || (l - 1) * vs + dv <= v.len(),
         "the value rows are inside v"
     );
-    let pb = simd::bf16_bits_of(Isa::current(), p);
     let (pairs, chunks) = (l / 2, dv / 32);
     let mut h = 0;
     while h < m {
@@ -95,7 +106,7 @@ pub unsafe fn accumulate(p: &[f32], v: &[u16], (dv, vs): (usize, usize), acc: &m
         h += rows;
     }
     // The columns past the tiles in every row, and the odd last row in the tiles' columns,
-    // in f32.
+    // in f32 (of the same rounded weights).
     let (widen, body) = (|b: u16| f32::from_bits((b as u32) << 16), 32 * chunks);
     let rows = match body < dv {
         true => 0..l,
@@ -103,7 +114,7 @@ pub unsafe fn accumulate(p: &[f32], v: &[u16], (dv, vs): (usize, usize), acc: &m
     };
     for (r, sums) in acc.chunks_exact_mut(dv).enumerate() {
         for j in rows.clone() {
-            let (pj, from) = (p[r * l + j], if j == 2 * pairs { 0 } else { body });
+            let (pj, from) = (widen(pb[r * l + j]), if j == 2 * pairs { 0 } else { body });
             for (s, &x) in sums[from..].iter_mut().zip(&v[j * vs + from..j * vs + dv]) {
                 *s += pj * widen(x);
             }
@@ -268,13 +279,7 @@ mod tests {
                 for c in 0..dv {
                     let mut want = start[r * dv + c] as f64;
                     for j in 0..l {
-                        // The pairs round weights to bf16; an odd last row and the columns past
-                        // the tiles keep them f32.
-                        let pj = p[r * l + j];
-                        let pj = match j == l - 1 && l % 2 == 1 || c >= dv - dv % 32 {
-                            true => pj,
-                            false => bf(pj).to_f32(),
-                        };
+                        let pj = bf(p[r * l + j]).to_f32(); // every weight rounded to bf16
                         want += pj as f64 * half::bf16::from_bits(v[j * vs + c]).to_f64();
                     }
                     let got = ours[r * dv + c] as f64;

@@ -10,13 +10,24 @@
 //! a layer, written, copied and read again) nor `v` transposed are copied. (Zen 5, 2
 //! threads, SmolLM2-135M's 512-token prompt, 3 alternating runs: Q4_0 1067-1086 -> 1250-1301
 //! tok/s, Q8_0 957-1001 -> 1153-1166.)
+//!
+//! Over a bf16 cache where the CPU multiplies bf16 pairs (AVX-512 BF16), q (rounded to bf16),
+//! k and v are read as bf16 and both products run on the decode op's pair kernel
+//! (`decode::pairs`: two keys' or two positions' values per `vdpbf16ps`, the keys transposed
+//! per piece), the weights rounded to bf16 for the values as the decode op rounds them (its
+//! numerators, divided by their sum after); elsewhere they are widened to f32 first
+//! (`sdpa`). SmolLM2-135M bf16, a
+//! 3000-token prompt (Zen 4, 2 threads): 608-630 -> 709-732 tok/s.
 
-use super::{weights_row, PRODUCT_ROWS};
+use super::{numerators_row, weights_row, PRODUCT_ROWS};
+use crate::model::attention::decode;
+#[cfg(target_arch = "x86_64")]
+use crate::model::attention::decode::pairs;
 use crate::model::cpu::f32_rows;
 use crate::model::linear::prefill::{self, Weights};
-use crate::model::linear::simd::Isa;
+use crate::model::linear::simd::{self, Isa};
 use crate::model::pool::{Disjoint, Pool};
-use candle_core::{DType, Error, Result, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Error, Result, Storage, Tensor};
 use std::cell::RefCell;
 
 /// `softmax(q · kᵀ · scale + mask) · v` per group: q (B, G, R, Dk) with R = H/G·T rows (each
@@ -31,8 +42,11 @@ pub fn attention(
     scale: f32,
     mask: &Tensor,
 ) -> Option<Result<Tensor>> {
-    let f32_cpu = |t: &&Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
-    let ours = [q, k, v, mask].iter().all(f32_cpu)
+    let cpu = [q, k, v, mask].iter().all(|t| t.device().is_cpu());
+    let all = |dtype: DType| [q, k, v].iter().all(|t| t.dtype() == dtype);
+    let ours = cpu
+        && mask.dtype() == DType::F32
+        && (all(DType::F32) || (all(DType::BF16) && pairs()))
         && [q, k, v].iter().all(|t| t.rank() == 4)
         && mask.rank() == 2
         && q.dims()[2] > 16
@@ -47,12 +61,30 @@ pub fn attention(
     ours.then(|| checked(q, k, v, scale, mask))
 }
 
+/// Whether the CPU multiplies bf16 pairs, so that bf16 operands are read as they are.
+fn pairs() -> bool {
+    simd::bf16_pairs(Isa::current())
+}
+
+/// q, k and v as rows: f32, or bf16 (raw bits) where the CPU multiplies bf16 pairs.
+enum Rows<'a> {
+    F32 {
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // made only on x86
+    Bf16 {
+        q: &'a [u16],
+        k: &'a [u16],
+        v: &'a [u16],
+    },
+}
+
 /// What a piece reads: the operands as rows, their sizes, and the columns each mask row
 /// shows.
 struct Operands<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    rows: Rows<'a>,
     hide: &'a [f32],
     /// Per mask row: the columns from its first 0 to its last (none: an empty range).
     shown: Vec<(usize, usize)>,
@@ -75,10 +107,17 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
         mask.contiguous()?,
     );
     let guards = [&q, &k, &v, &mask].map(|t| t.storage_and_layout());
-    let rows = |i: usize, what: &str| match &*guards[i].0 {
-        Storage::Cpu(c) => f32_rows(c, guards[i].1, what),
+    let cpu = |i: usize, what: &str| match &*guards[i].0 {
+        Storage::Cpu(c) => Ok(c),
         _ => Err(Error::Msg(format!(
             "prompt attention: {what} is not on the CPU"
+        ))),
+    };
+    let rows = |i: usize, what: &str| f32_rows(cpu(i, what)?, guards[i].1, what);
+    let bits = |i: usize, what: &str| match (cpu(i, what)?, guards[i].1.contiguous_offsets()) {
+        (CpuStorage::BF16(x), Some((a, b))) => Ok(decode::bits(&x[a..b])),
+        _ => Err(Error::Msg(format!(
+            "prompt attention: {what} is not contiguous bf16"
         ))),
     };
     let hide = rows(3, "the mask")?;
@@ -90,10 +129,20 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
             (first, m.iter().rposition(seen).map_or(first, |l| l + 1))
         })
         .collect();
+    let rows = match q.dtype() {
+        DType::BF16 => Rows::Bf16 {
+            q: bits(0, "q")?,
+            k: bits(1, "k")?,
+            v: bits(2, "v")?,
+        },
+        _ => Rows::F32 {
+            q: rows(0, "q")?,
+            k: rows(1, "k")?,
+            v: rows(2, "v")?,
+        },
+    };
     let ops = Operands {
-        q: rows(0, "q")?,
-        k: rows(1, "k")?,
-        v: rows(2, "v")?,
+        rows,
         hide,
         shown,
         r,
@@ -130,6 +179,8 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
 thread_local! {
     /// A pool thread's scores of one piece.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A pool thread's bf16 keys of one piece, transposed.
+    static KEYS_T: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Query rows `r0..r1` of (batch × group) `head`: their weighted sums of `v`, at `y`.
@@ -152,28 +203,93 @@ unsafe fn piece(
         return; // no row of the piece sees a key: its sums stay 0, as `masked` gives
     }
     let n = c1 - c0;
+    let (queries, keys) = (
+        (head * o.r + r0) * dk..(head * o.r + r1) * dk,
+        (head * s + c0) * dk,
+    );
+    let values = (head * s + c0) * dv..(head * s + c1) * dv;
+    let mut totals = vec![0f32; r1 - r0];
     SCORES.with_borrow_mut(|scores| {
         scores.clear();
         scores.resize((r1 - r0) * n, 0.0);
-        let x = &o.q[(head * o.r + r0) * dk..(head * o.r + r1) * dk];
-        let keys = &o.k[(head * s + c0) * dk..(head * s + c1) * dk];
-        prefill::product(x, dk, Weights::F32(keys), scores);
-        for (j, row) in scores.chunks_exact_mut(n).enumerate() {
-            weights_row(isa, row, scale, &o.hide[(r0 + j) % t * s + c0..][..n]);
+        match o.rows {
+            Rows::F32 { q, k, .. } => {
+                let keys = &k[keys..keys + n * dk];
+                prefill::product(&q[queries], dk, Weights::F32(keys), scores)
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Rows::Bf16` is made only where the CPU multiplies bf16 pairs.
+            Rows::Bf16 { q, k, .. } => unsafe { scores_bf16(&q[queries], &k[keys..], n, scores) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Rows::Bf16 { .. } => unreachable!("bf16 pairs are x86's"),
         }
-        // SAFETY: the scores are (r1 - r0) × n; v's rows c0..c1 of this head are Dv wide,
-        // read as the columns of vᵀ (stride 1 between its rows, Dv between its columns);
-        // y is the caller's.
-        unsafe {
-            prefill::gemm_block(
-                r1 - r0,
-                (dv, n),
-                (scores.as_ptr(), n),
-                (o.v.as_ptr().add((head * s + c0) * dv), 1, dv),
-                y,
-                dv,
-                false,
-            )
-        };
+        let hide = |j: usize| &o.hide[(r0 + j) % t * s + c0..][..n];
+        match o.rows {
+            Rows::F32 { .. } => {
+                for (j, row) in scores.chunks_exact_mut(n).enumerate() {
+                    weights_row(isa, row, scale, hide(j));
+                }
+            }
+            // The numerators only, divided by their sums after the values, as the decode op
+            // divides its own: the two round the same weights to bf16.
+            Rows::Bf16 { .. } => {
+                for (j, row) in scores.chunks_exact_mut(n).enumerate() {
+                    totals[j] = numerators_row(isa, row, scale, hide(j));
+                }
+            }
+        }
+        match o.rows {
+            // SAFETY: the scores are (r1 - r0) × n; v's rows c0..c1 of this head are Dv wide,
+            // read as the columns of vᵀ (stride 1 between its rows, Dv between its columns);
+            // y is the caller's.
+            Rows::F32 { v, .. } => unsafe {
+                prefill::gemm_block(
+                    r1 - r0,
+                    (dv, n),
+                    (scores.as_ptr(), n),
+                    (v[values].as_ptr(), 1, dv),
+                    y,
+                    dv,
+                    false,
+                )
+            },
+            // SAFETY: y is the caller's (r1 - r0) × Dv values, zero until now; the CPU
+            // multiplies bf16 pairs (as above).
+            #[cfg(target_arch = "x86_64")]
+            Rows::Bf16 { v, .. } => unsafe {
+                let y = std::slice::from_raw_parts_mut(y, (r1 - r0) * dv);
+                pairs::accumulate(scores, &v[values], (dv, dv), y);
+                for (row, total) in y.chunks_exact_mut(dv).zip(&totals) {
+                    if *total > 0.0 {
+                        row.iter_mut().for_each(|x| *x /= total); // else every key hidden: 0
+                    }
+                }
+            },
+            #[cfg(not(target_arch = "x86_64"))]
+            Rows::Bf16 { .. } => unreachable!("bf16 pairs are x86's"),
+        }
+    });
+}
+
+/// `scores (M, n) = q (M, Dk) · kᵀ` for bf16 q and the first n keys of `k` (raw bits, rows
+/// of Dk): the keys transposed, each of their Dk columns a row of n, so that the pair
+/// kernel of the decode op's value sum ([`pairs`]) makes the scores with q's rows as its
+/// weights (two key columns a `vdpbf16ps`, no sums across lanes).
+///
+/// # Safety
+/// The CPU multiplies bf16 pairs (`simd::bf16_pairs`).
+#[cfg(target_arch = "x86_64")]
+unsafe fn scores_bf16(q: &[u16], k: &[u16], n: usize, scores: &mut [f32]) {
+    let dk = q.len() / (scores.len() / n);
+    KEYS_T.with_borrow_mut(|kt| {
+        kt.clear();
+        kt.resize(dk * n, 0);
+        for (j, key) in k[..n * dk].chunks_exact(dk).enumerate() {
+            for (i, &x) in key.iter().enumerate() {
+                kt[i * n + j] = x;
+            }
+        }
+        // SAFETY: the caller's contract.
+        unsafe { pairs::accumulate_bits(q, kt, (n, n), scores) }
     });
 }

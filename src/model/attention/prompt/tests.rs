@@ -50,6 +50,43 @@ fn fused_attention_matches_the_three_passes() -> Result<()> {
     Ok(())
 }
 
+/// bf16 operands where the CPU multiplies bf16 pairs: the same shapes as above (Dk and Dv
+/// below the kernels' 32 columns, odd key counts), against the three passes over the same
+/// values widened, with the weights' numerators rounded to bf16 as the pairs read them.
+/// Within 4e-3: the scores' f32 sums run in another order, and a last bit of a score can
+/// move its weight's rounding by one bf16 step (2⁻⁸ of it; the window's 37 keys make
+/// weights of ~0.1: 1e-3).
+#[test]
+fn fused_attention_in_bf16_pairs_matches_the_three_passes() -> Result<()> {
+    if !crate::model::linear::simd::bf16_pairs(Isa::current()) {
+        eprintln!("SKIPPED: this CPU does not multiply bf16 pairs");
+        return Ok(());
+    }
+    let dev = Device::Cpu;
+    let (t, dk, dv) = (150, 24, 20);
+    let bf16 = |t: Tensor| t.to_dtype(DType::BF16);
+    let wide = |t: &Tensor| t.to_dtype(DType::F32);
+    for (cached, window) in [(0, usize::MAX), (41, usize::MAX), (41, 37)] {
+        let s = cached + t;
+        let q = bf16(Tensor::randn(0f32, 1.0, (2, 2, 2 * t, dk), &dev)?)?;
+        let k = bf16(Tensor::randn(0f32, 1.0, (2, 2, s, dk), &dev)?)?;
+        let v = bf16(Tensor::randn(0f32, 1.0, (2, 2, s, dv), &dev)?)?;
+        let mask = causal_mask(t, s, window, DType::F32, &dev)?;
+        let got = attention(&q, &k, &v, 0.2, &mask).expect("taken")?;
+        let scores = products(&wide(&q)?, &wide(&k)?).expect("taken")?;
+        // Their numerators rounded, divided by their sums after: exp(x − max) / Σ.
+        let weights = masked(&scores, 0.2, &mask).expect("taken")?;
+        let top = weights.max_keepdim(3)?; // the numerator of the largest is 1
+        let numerators = wide(&bf16(weights.broadcast_div(&top)?)?)?;
+        let sums = weights.broadcast_div(&top)?.sum_keepdim(3)?;
+        let want = products(&numerators, &wide(&v)?.transpose(2, 3)?).expect("taken")?;
+        let want = want.broadcast_div(&sums)?;
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 4e-3, "{cached} cached, window {window}: {diff}");
+    }
+    Ok(())
+}
+
 /// Rows the mask hides every key from, alone in a piece of visible rows (query 5) and as a
 /// whole piece (queries 106-149 of the second head: its rows 256-299), get zeros as in the
 /// three passes.
