@@ -3,7 +3,7 @@
 //! `attention::prompt` share it), and [`cat_rows`], a concatenation of views.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Error, Layout, Result, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Error, Layout, Result, Storage, Tensor, WithDType};
 
 /// The f32 values `l` covers in `s`, contiguous; else an error naming `what`.
 pub fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
@@ -17,8 +17,9 @@ pub fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f3
 }
 
 /// `Tensor::cat` of rank-4 tensors along their last dimension into a new contiguous tensor,
-/// for f32 on the CPU whatever the parts' layouts (transposed views, a part broadcast along a
-/// dimension), as long as each part's rows are contiguous; `None` otherwise (candle's cat).
+/// for f32 or bf16 on the CPU whatever the parts' layouts (transposed views, a part broadcast
+/// along a dimension), as long as each part's rows are contiguous; `None` otherwise
+/// (candle's cat).
 ///
 /// Why: candle concatenates views through its general strided copy, one element at a time,
 /// where here each row of each part is one `copy_from_slice`. MLA's prompts build each
@@ -27,18 +28,28 @@ pub fn f32_rows<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f3
 pub fn cat_rows(parts: &[&Tensor]) -> Option<Result<Tensor>> {
     let first = parts.first()?;
     let dims = first.dims().get(..3)?.to_vec();
-    let ours = parts.iter().all(|t| {
-        t.device().is_cpu()
-            && t.dtype() == DType::F32
-            && t.rank() == 4
-            && t.dims()[..3] == dims[..]
-            && (t.stride()[3] == 1 || t.dims()[3] <= 1)
-    });
-    ours.then(|| {
+    let dtype = first.dtype();
+    let ours = matches!(dtype, DType::F32 | DType::BF16)
+        && parts.iter().all(|t| {
+            t.device().is_cpu()
+                && t.dtype() == dtype
+                && t.rank() == 4
+                && t.dims()[..3] == dims[..]
+                && (t.stride()[3] == 1 || t.dims()[3] <= 1)
+        });
+    ours.then(|| match dtype {
+        DType::BF16 => cat_rows_of::<half::bf16>(parts, &dims),
+        _ => cat_rows_of::<f32>(parts, &dims),
+    })
+}
+
+/// [`cat_rows`] of parts of `T`, their first three dimensions `dims`.
+fn cat_rows_of<T: WithDType>(parts: &[&Tensor], dims: &[usize]) -> Result<Tensor> {
+    {
         let widths: Vec<usize> = parts.iter().map(|t| t.dims()[3]).collect();
         let width: usize = widths.iter().sum();
         let rows = dims.iter().product::<usize>();
-        let mut out = vec![0f32; rows * width];
+        let mut out = vec![T::zero(); rows * width];
         // out (D0, D1, D2, width): row (i, j, k) holds each part's row (i, j, k) in turn,
         // part p from column `at` (the widths before it).
         let mut at = 0;
@@ -47,9 +58,10 @@ pub fn cat_rows(parts: &[&Tensor]) -> Option<Result<Tensor>> {
                 continue; // nothing to read (its strides may point past its storage)
             }
             let (storage, layout) = part.storage_and_layout();
-            let Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
-                return Err(Error::Msg("cat_rows: f32 CPU parts only".into()));
+            let Storage::Cpu(storage) = &*storage else {
+                return Err(Error::Msg("cat_rows: CPU parts only".into()));
             };
+            let v = T::cpu_storage_as_slice(storage)?;
             let (s, o) = (layout.stride(), layout.start_offset());
             let mut row = 0;
             for i in 0..dims[0] {
@@ -64,8 +76,8 @@ pub fn cat_rows(parts: &[&Tensor]) -> Option<Result<Tensor>> {
             at += w;
         }
         let shape = (dims[0], dims[1], dims[2], width);
-        Tensor::from_vec(out, shape, first.device())
-    })
+        Tensor::from_vec(out, shape, parts[0].device())
+    }
 }
 
 #[cfg(test)]
@@ -74,7 +86,7 @@ mod tests {
     use candle_core::{Device, D};
 
     /// Views (a transposed one, one broadcast along the heads) concatenate as candle's cat
-    /// does, into a contiguous tensor; other dtypes are left to candle.
+    /// does, into a contiguous tensor, in f32 and bf16; other dtypes are left to candle.
     #[test]
     fn cat_rows_equals_candles_cat_of_views() -> Result<()> {
         let dev = Device::Cpu;
@@ -100,7 +112,18 @@ mod tests {
         assert_eq!(ours.dims(), want.dims());
         let diff = (ours - want)?.abs()?.sum_all()?.to_scalar::<f32>()?;
         assert_eq!(diff, 0.0);
-        assert!(cat_rows(&[&a.to_dtype(DType::BF16)?]).is_none());
+        // bf16 alike; other dtypes are candle's.
+        let bf: Vec<Tensor> = parts
+            .iter()
+            .map(|t| t.to_dtype(DType::BF16))
+            .collect::<Result<_>>()?;
+        let bf: Vec<&Tensor> = bf.iter().collect();
+        let ours = cat_rows(&bf)
+            .expect("bf16 on the CPU")?
+            .to_dtype(DType::F32)?;
+        let want = Tensor::cat(&bf, D::Minus1)?.to_dtype(DType::F32)?;
+        assert_eq!((ours - want)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        assert!(cat_rows(&[&a.to_dtype(DType::F16)?]).is_none());
         Ok(())
     }
 }

@@ -81,8 +81,16 @@ impl MlaAttention {
         // (B, S, r) x (H·width, r)ᵀ -> (B, S, H·width) -> (B, H, S, width)
         // In the activations' dtype (f32 on CPU, the halves read as stored): a bf16 cache's
         // latents widened once here, rather than K and V rounded to bf16 and widened again
-        // for the attention.
-        let act = activation_dtype(w_uk.dtype(), w_uk.device());
+        // for the attention. Except where the CPU multiplies bf16 pairs: there a bf16 cache's
+        // latents and bf16 halves make K and V in bf16, which the prompt's attention reads
+        // as they are (`prompt/fused.rs`; in f32 it missed those kernels).
+        let pairs = [c_kv, w_uk].iter().all(|t| t.dtype() == DType::BF16)
+            && c_kv.device().is_cpu()
+            && simd::bf16_pairs(Isa::current());
+        let act = match pairs {
+            true => DType::BF16,
+            false => activation_dtype(w_uk.dtype(), w_uk.device()),
+        };
         let c_kv = c_kv.squeeze(1)?.to_dtype(act)?;
         let up = |w: &Tensor, width: usize| -> Result<Tensor> {
             let y = matvec(&c_kv, &w.reshape((h * width, r))?)?;
