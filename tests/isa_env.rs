@@ -166,7 +166,9 @@ impl Quantizer for Stored {
 
 /// Every block format we run, at the forced set, for 1, 4 and 9 rows of x (one row, the
 /// four-row kernel or a tile with a tail), on 13 weight rows (not a multiple of any tile):
-/// within 2% of x times the dequantized weight (x is rounded to 8 bits). Returns how many.
+/// within 3% of x times the dequantized weight (x is rounded to 8 bits; one row of x makes
+/// only 13 products, a small sample: 25 runs of every format read 0.5-1.3%, and CI once
+/// read 2.02% for Q2_K's; a wrong kernel reads tens of percent). Returns how many.
 fn block_formats_match_their_dequantization() -> candle_core::Result<usize> {
     let dev = Device::Cpu;
     let formats = [
@@ -196,7 +198,7 @@ fn block_formats_match_their_dequantization() -> candle_core::Result<usize> {
                 .to_scalar::<f32>()?;
             let norm = want.sqr()?.sum_all()?.to_scalar::<f32>()?;
             let rel = (err / norm).sqrt();
-            assert!(rel < 0.02, "{format:?}, {rows} rows: relative error {rel}");
+            assert!(rel < 0.03, "{format:?}, {rows} rows: relative error {rel}");
         }
     }
     Ok(formats.len())
