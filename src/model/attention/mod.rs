@@ -164,8 +164,10 @@ pub fn sdpa(
         return q.contiguous()?.apply_op3_no_bwd(k, v, &op); // (B, H, 1, Dv)
     }
     let f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
-    let bf16 = [k, v].iter().all(|t| t.dtype() == DType::BF16);
-    if let (true, Some(mask)) = (bf16 && simd::bf16_pairs(simd::Isa::current()), mask) {
+    // A bf16 cache's keys meet the query rounded to bf16 where the CPU multiplies bf16
+    // pairs, as the decode op's do ([`decode`]), so that a prompt and its decode agree.
+    let pairs = k.dtype() == DType::BF16 && simd::bf16_pairs(simd::Isa::current());
+    if let (true, DType::BF16, Some(mask)) = (pairs, v.dtype(), mask) {
         // A prompt over a bf16 cache where the CPU multiplies bf16 pairs: q rounded to bf16
         // (as the decode op rounds it) and k, v read as they are, in one pass per piece of
         // query rows (`prompt/fused.rs`).
@@ -180,9 +182,6 @@ pub fn sdpa(
         // and narrow its result, the (.., T, S) scores four times over. In f32 from here on,
         // only q, k and v are widened (SmolLM-135M bf16 prefill of 512 tokens on the AVX2
         // host: 168 -> 186 tok/s, medians of 3 alternating runs).
-        // A bf16 cache's keys meet the query rounded to bf16 where the CPU multiplies bf16
-        // pairs, as the decode op's do ([`decode`]), so that a prompt and its decode agree.
-        let pairs = k.dtype() == DType::BF16 && simd::bf16_pairs(simd::Isa::current());
         let w = |t: &Tensor| t.to_dtype(DType::F32);
         let qw = match pairs {
             true => w(&q.to_dtype(DType::BF16)?)?,

@@ -252,12 +252,11 @@ mod tests {
             return;
         }
         let bf = |x: f32| half::bf16::from_f32(x);
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        let dev = candle_core::Device::Cpu;
+        let randn = |n: usize| {
+            candle_core::Tensor::randn(0f32, 1.0, n, &dev)
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("random values")
         };
         for (m, l, dv, vs) in [
             (9, 256, 192, 256),
@@ -267,11 +266,12 @@ mod tests {
             (17, 64, 96, 96),
             (2, 2, 129, 160),
         ] {
-            let p: Vec<f32> = (0..m * l).map(|_| next().abs()).collect();
-            let v: Vec<u16> = (0..(l - 1) * vs + dv)
-                .map(|_| bf(next()).to_bits())
+            let p: Vec<f32> = randn(m * l).iter().map(|x| x.abs()).collect();
+            let v: Vec<u16> = randn((l - 1) * vs + dv)
+                .iter()
+                .map(|&x| bf(x).to_bits())
                 .collect();
-            let start: Vec<f32> = (0..m * dv).map(|_| next()).collect();
+            let start = randn(m * dv);
             let mut ours = start.clone();
             // SAFETY: checked above.
             unsafe { accumulate(&p, &v, (dv, vs), &mut ours) };
