@@ -4,8 +4,8 @@
 //! lanes from memory, does the products of 16 weight rows where the 256-bit tile
 //! (`x86::tile_vnni`) does 8. The layout is [`super`]'s unchanged: each load is two 32-byte
 //! units of the two groups, joined. The two groups' 16 columns of y are adjacent, so a
-//! tile's row of results is one store. Q8_0's sign trick takes a byte mask (AVX-512 has no
-//! 512-bit `vpsignb`): x's bytes negated where w is negative, against |w|.
+//! tile's row of results is one store. Q8_0's weights go in as w + 128, unsigned, as in
+//! `x86/blocks.rs`'s VNNI forms (the two give a row the same sums in the same order).
 //!
 //! Its block loop is `x86/blocks.rs`'s `tile_in` in 512-bit registers (the minimums, Q5's
 //! fifth bits, the close per block read the same): the register types and the loads
@@ -53,6 +53,7 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
                 Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
                 Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
                 Q4_1 | Q5_1 => halves16(w.mins.as_ptr().add(at), next),
+                Q8_0 => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
                 _ => _mm512_setzero_ps(),
             };
             let highs = match F {
@@ -66,11 +67,9 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
             if F == Q8_0 {
                 for v in 0..BLOCK / 4 {
                     let wv = join(p.add(32 * v), next * qb);
-                    let (negative, a) = (_mm512_movepi8_mask(wv), _mm512_abs_epi8(wv));
+                    let a = _mm512_xor_si512(wv, _mm512_set1_epi8(i8::MIN));
                     for j in 0..R {
-                        let xv = bcast(xs[j].add(4 * v));
-                        let s = _mm512_mask_sub_epi8(xv, negative, zero, xv);
-                        sums[j] = _mm512_dpbusd_epi32(sums[j], a, s);
+                        sums[j] = _mm512_dpbusd_epi32(sums[j], a, bcast(xs[j].add(4 * v)));
                     }
                 }
             } else {
@@ -96,10 +95,8 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
                 let xb = (i0 + j) * nb + c;
                 let dx = _mm512_set1_ps(*x.scales.get_unchecked(xb));
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(d, dx), acc[j]);
-                if F != Q8_0 {
-                    let sum = _mm512_set1_ps(*x.sums.get_unchecked(xb));
-                    acc[j] = _mm512_fmadd_ps(min, sum, acc[j]);
-                }
+                let sum = _mm512_set1_ps(*x.sums.get_unchecked(xb));
+                acc[j] = _mm512_fmadd_ps(min, sum, acc[j]);
             }
         }
         // Columns 8g.. of each row: 16, or the real rows of a padded last group.

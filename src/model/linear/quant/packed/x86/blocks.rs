@@ -8,9 +8,12 @@
 //! bits are put at bit 4 of each byte first (one shift and one mask per load, from their
 //! rearranged word), and its sums go to 32 bits every second load. Q8_0: the
 //! weights are signed, so `maddubs` takes |w| and sign(w)·x (llama.cpp's sign trick), and
-//! its 16-bit pairs (up to 2 · 128 · 127) go to 32 bits after each load.
+//! its 16-bit pairs (up to 2 · 128 · 127) go to 32 bits after each load; with VNNI, whose
+//! sums do not saturate, it takes w + 128 as unsigned bytes instead (one `xor` a load for
+//! all rows of x, where the sign trick costs one `vpsignb` a row) and subtracts 128 · Σx.
 //! Then one FMA by the 8 rows' `d` times `dx`, and one by their minimum (Q4_0's `-8d`,
-//! Q5_0's `-16d`, Q4_1's and Q5_1's `m`) times x's block sum `dx · Σq`.
+//! Q5_0's `-16d`, Q8_0's `-128d` with VNNI, Q4_1's and Q5_1's `m`) times x's block sum
+//! `dx · Σq`.
 
 use super::super::super::{QRows, QWeight, BLOCK};
 use super::super::ROWS;
@@ -62,6 +65,8 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: u8>(
                 Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
                 // Q4_1 and Q5_1 keep a minimum per scale.
                 Q4_1 | Q5_1 => half8(w.mins.as_ptr().add(first + c * ROWS)),
+                // With VNNI, Q8_0's weights go in as w + 128 (unsigned).
+                Q8_0 if V != MADD => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
                 _ => _mm256_setzero_ps(),
             };
             // Q5's fifth bits of the 8 rows, one lane each (`spread`): a word per scale.
@@ -78,16 +83,20 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: u8>(
                 // The block's 8 · 32 bytes; x's 4 bytes at 4v < 32.
                 for v in 0..BLOCK / 4 {
                     let wv = _mm256_loadu_si256(p.add(32 * v) as *const __m256i);
+                    if V != MADD {
+                        // w + 128 as an unsigned byte (the sign bit flipped): `vpdpbusd`
+                        // does not saturate, and the 128 · Σx it adds goes with `min`.
+                        let a = _mm256_xor_si256(wv, _mm256_set1_epi8(i8::MIN));
+                        for j in 0..R {
+                            sums[j] = dpbusd::<V>(sums[j], a, bcast(xs[j].add(4 * v)));
+                        }
+                        continue;
+                    }
                     let a = _mm256_sign_epi8(wv, wv);
                     for j in 0..R {
                         let s = _mm256_sign_epi8(bcast(xs[j].add(4 * v)), wv);
-                        sums[j] = match V {
-                            MADD => {
-                                let pairs = _mm256_maddubs_epi16(a, s);
-                                _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, ones))
-                            }
-                            _ => dpbusd::<V>(sums[j], a, s),
-                        };
+                        let pairs = _mm256_maddubs_epi16(a, s);
+                        sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(pairs, ones));
                     }
                 }
             } else {
@@ -139,7 +148,7 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: u8>(
                 let dx = _mm256_broadcast_ss(x.scales.get_unchecked(xb));
                 let sum = _mm256_broadcast_ss(x.sums.get_unchecked(xb));
                 acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(d, dx), acc[j]);
-                if F != Q8_0 {
+                if F != Q8_0 || V != MADD {
                     acc[j] = _mm256_fmadd_ps(min, sum, acc[j]);
                 }
             }
