@@ -161,12 +161,12 @@ fn quantized_weights_cache_in_bf16_unless_asked() {
 /// pairs (AVX-512 BF16) both round the softmax numerators to bf16, each from scores summed
 /// in its own order: a numerator within an ulp of a rounding tie lands one bf16 step apart,
 /// rarely, and moves the logits by up to the cache's own rounding (Zen 4, seven sequences
-/// of ids, before and after Q8_0's VNNI kernels changed their rounding: about half within
-/// 1e-4, the others 0.009-0.07 of 10-12). MLA's absorbed decode also
-/// rounds its latent query to bf16 there (as llama.cpp rounds a query to its cache's type),
-/// while the prompt's expanded form does not: 0.09 of 12.3, the size of the cache's own
-/// rounding. Against an f32 cache the logits move by 0.08-0.12 (bf16's 8 bits), never more
-/// than 2%.
+/// of ids: before Q8_0's VNNI kernels changed their rounding, two within 1e-4 and five at
+/// 0.012-0.039 of 10-12; after, four within 1e-4 and three at 0.026-0.070). MLA's absorbed
+/// decode also rounds its latent query to bf16 there (as llama.cpp rounds a query to its
+/// cache's type), while the prompt's expanded form does not: 0.09 of 12.3, the size of the
+/// cache's own rounding. Against an f32 cache the logits move by 0.08-0.12 (bf16's 8 bits),
+/// never more than 2%.
 #[test]
 fn a_bf16_cache_decodes_as_the_full_forward() {
     use tiny_decoder::loader::{self, DTypeArg};
