@@ -32,6 +32,9 @@ use query::{Queries, Query};
 const BLOCK: usize = 256;
 // A block of this op is whole blocks of a paged cache.
 const _: () = assert!(BLOCK.is_multiple_of(crate::kv_cache::BLOCK));
+// A pool block's rows are whole bf16 pairs (`pairs`), so that a paged run adds its rows as
+// the same rows in one run do (bit for bit).
+const _: () = assert!(crate::kv_cache::BLOCK.is_multiple_of(2));
 
 /// `softmax(q · kᵀ · scale) · v` for q (B, H, 1, Dk), k (B, G, S, Dk), v (B, G, S, Dv),
 /// H a multiple of G; k and v may be views of a longer cache (k's rows contiguous, v's rows
@@ -79,8 +82,8 @@ fn head_offset(l: &Layout, b: usize, g: usize, what: &str, gaps: bool) -> Result
 }
 
 /// The cache's element types: f32 as is, bf16 as raw bits (keys for the pair-reading
-/// kernels, values read in pairs or widened in [`accumulate`]). The query comes in the form the key kernel
-/// reads ([`Query`]), made once per step by the caller.
+/// kernels, values read in pairs or widened in [`accumulate`]). The query comes in the form
+/// the key kernel reads ([`Query`]), made once per step by the caller.
 pub(super) trait Cached: Copy + Sync {
     /// `out[h·ld + j]` = query head h · key row j, for every row of `k`.
     ///

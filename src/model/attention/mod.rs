@@ -166,7 +166,8 @@ pub fn sdpa(
     let f32 = [q, k, v].iter().all(|t| t.dtype() == DType::F32);
     // A bf16 cache's keys meet the query rounded to bf16 where the CPU multiplies bf16
     // pairs, as the decode op's do ([`decode`]), so that a prompt and its decode agree.
-    let pairs = k.dtype() == DType::BF16 && simd::bf16_pairs(simd::Isa::current());
+    let pairs =
+        k.dtype() == DType::BF16 && k.device().is_cpu() && simd::bf16_pairs(simd::Isa::current());
     if let (true, DType::BF16, Some(mask)) = (pairs, v.dtype(), mask) {
         // A prompt over a bf16 cache where the CPU multiplies bf16 pairs: q rounded to bf16
         // (as the decode op rounds it) and k, v read as they are, in one pass per piece of

@@ -40,8 +40,8 @@ impl Lanes for u16 {
     }
 }
 
-/// `acc (M, Dv) += p (M, L) · v (L, Dv)` (row j of v at `j·vs`), 8 columns of a row of v per step (two independent
-/// multiply-adds), then 4, then one at a time.
+/// `acc (M, Dv) += p (M, L) · v (L, Dv)` (row j of v at `j·vs`), 8 columns of a row of v
+/// per step (two independent multiply-adds), then 4, then one at a time.
 #[target_feature(enable = "neon")]
 pub(super) fn accumulate<T: Lanes>(p: &[f32], v: &[T], (dv, vs): (usize, usize), acc: &mut [f32]) {
     if dv == 0 {

@@ -46,13 +46,13 @@ const PERMUTE: [[i32; 16]; 2] = [
 ];
 
 /// `acc (M, Dv) += p (M, L) · v (L, Dv)`, row j of v at `v[j·vs..j·vs + dv]` (raw bf16
-/// bits); M = acc / Dv and L = p / M; p rounded to bf16.
+/// bits); M = acc / Dv and L = p / M; p rounded to bf16 as `isa` rounds it.
 ///
 /// # Safety
-/// The CPU has AVX-512F, BW, VL and BF16 (`simd::bf16_pairs`).
+/// The CPU has AVX-512F, BW, VL and BF16, and `simd::bf16_pairs(isa)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub unsafe fn accumulate(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
-    let pb = simd::bf16_bits_of(Isa::current(), p);
+pub unsafe fn accumulate(isa: Isa, p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f32]) {
+    let pb = simd::bf16_bits_of(isa, p);
     // SAFETY: the caller's contract.
     unsafe { accumulate_bits(&pb, v, dv, acc) }
 }
@@ -64,6 +64,9 @@ pub unsafe fn accumulate(p: &[f32], v: &[u16], dv: (usize, usize), acc: &mut [f3
 /// As for [`accumulate`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub unsafe fn accumulate_bits(pb: &[u16], v: &[u16], (dv, vs): (usize, usize), acc: &mut [f32]) {
+    if dv == 0 || acc.is_empty() {
+        return;
+    }
     let m = acc.len() / dv;
     let l = pb.len() / m;
     assert!(
@@ -83,25 +86,19 @@ pub unsafe fn accumulate_bits(pb: &[u16], v: &[u16], (dv, vs): (usize, usize), a
         );
         let mut c = 0;
         while c < chunks {
-            let ch = match (SUMS / 2 / rows).min(chunks - c) {
-                4.. => 4,
-                2 | 3 => 2,
-                _ => 1,
-            };
             let at = (32 * c, vs, pairs);
-            // SAFETY: AVX-512 BF16 as above; the tile reads 32·ch values from column 32c
-            // (within dv) of rows < 2·pairs <= l.
-            unsafe {
+            // SAFETY: AVX-512 BF16 as above; the tile reads 32·CH values from column 32c
+            // (CH <= chunks - c: within dv) of rows < 2·pairs <= l.
+            c += unsafe {
                 match rows {
-                    6 => heads::<6>(ch, w, l, v, at, dv, a),
-                    5 => heads::<5>(ch, w, l, v, at, dv, a),
-                    4 => heads::<4>(ch, w, l, v, at, dv, a),
-                    3 => heads::<3>(ch, w, l, v, at, dv, a),
-                    2 => heads::<2>(ch, w, l, v, at, dv, a),
-                    _ => heads::<1>(ch, w, l, v, at, dv, a),
+                    6 => heads::<6>(chunks - c, w, l, v, at, dv, a),
+                    5 => heads::<5>(chunks - c, w, l, v, at, dv, a),
+                    4 => heads::<4>(chunks - c, w, l, v, at, dv, a),
+                    3 => heads::<3>(chunks - c, w, l, v, at, dv, a),
+                    2 => heads::<2>(chunks - c, w, l, v, at, dv, a),
+                    _ => heads::<1>(chunks - c, w, l, v, at, dv, a),
                 }
-            }
-            c += ch;
+            };
         }
         h += rows;
     }
@@ -122,25 +119,26 @@ pub unsafe fn accumulate_bits(pb: &[u16], v: &[u16], (dv, vs): (usize, usize), a
     }
 }
 
-/// [`tile`] of ROWS heads over `ch` (1, 2 or 4) chunks of 32 columns.
+/// [`tile`] of ROWS heads over as many of the `left` (> 0) chunks of 32 columns as its sums
+/// allow (4, 2 or 1); returns how many it summed.
 ///
 /// # Safety
-/// As for [`tile`].
+/// As for [`tile`], for `left` chunks from column c.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn heads<const ROWS: usize>(
-    ch: usize,
+    left: usize,
     w: &[u16],
     l: usize,
     v: &[u16],
     at: (usize, usize, usize),
     dv: usize,
     acc: &mut [f32],
-) {
-    // SAFETY: the caller's contract.
+) -> usize {
+    // SAFETY: the caller's contract; each tile reads at most `left` chunks.
     unsafe {
-        match ch {
-            4 if 2 * ROWS * 4 <= SUMS => tile::<ROWS, 4>(w, l, v, at, dv, acc),
-            2 if 2 * ROWS * 2 <= SUMS => tile::<ROWS, 2>(w, l, v, at, dv, acc),
+        match left {
+            4.. if 2 * ROWS * 4 <= SUMS => tile::<ROWS, 4>(w, l, v, at, dv, acc),
+            2.. if 2 * ROWS * 2 <= SUMS => tile::<ROWS, 2>(w, l, v, at, dv, acc),
             _ => tile::<ROWS, 1>(w, l, v, at, dv, acc),
         }
     }
@@ -160,7 +158,7 @@ unsafe fn tile<const ROWS: usize, const CH: usize>(
     (c, vs, pairs): (usize, usize, usize),
     dv: usize,
     acc: &mut [f32],
-) {
+) -> usize {
     // From acc, not 0 (as `tile`'s sums): a paged block's runs add their rows in one chain,
     // so it sums as the same rows in one run (runs are whole pool blocks, an even number of
     // rows, but the last).
@@ -220,6 +218,7 @@ unsafe fn tile<const ROWS: usize, const CH: usize>(
             }
         }
     }
+    CH
 }
 
 /// A permutation's 16 lane indices in a register.
@@ -243,7 +242,7 @@ mod tests {
     use super::*;
 
     /// Against the plain sum in f64 of the same bf16-rounded weights: odd and even row
-    /// counts (a last row alone), 1-9 and 17 heads (tiles of 8 and less), widths with a tail
+    /// counts (a last row alone), 1-9 and 17 heads (tiles of 6 and less), widths with a tail
     /// past 32 columns, and value rows further apart than they are wide.
     #[test]
     fn pairs_equal_the_plain_sum_of_rounded_weights() {
@@ -274,7 +273,7 @@ mod tests {
             let start = randn(m * dv);
             let mut ours = start.clone();
             // SAFETY: checked above.
-            unsafe { accumulate(&p, &v, (dv, vs), &mut ours) };
+            unsafe { accumulate(Isa::detect(), &p, &v, (dv, vs), &mut ours) };
             for r in 0..m {
                 for c in 0..dv {
                     let mut want = start[r * dv + c] as f64;

@@ -9,7 +9,7 @@
 //! CH values of Dv, across every cached row of the block, each row of v read once per MR
 //! heads. (The loop it replaces kept each head's Dv sums in memory, a load and a store per
 //! multiply-add, and read v once per head: 45% of a decode step's attention time with MLA's
-//! nine heads per latent.) Tested against the plain loops in `super::tests`.
+//! nine heads per latent.) Tested against the plain loops in `tests` below.
 
 use super::Cached;
 use crate::model::linear::simd::{Isa, IsaKind};
@@ -29,7 +29,7 @@ pub fn accumulate<T: Cached>(
     #[cfg(target_arch = "x86_64")]
     if let (Some(v), true) = (T::bf16_bits(v), crate::model::linear::simd::bf16_pairs(isa)) {
         // SAFETY: `bf16_pairs` asked the CPU for AVX-512 BF16.
-        return unsafe { super::pairs::accumulate(p, v, (dv, vs), acc) };
+        return unsafe { super::pairs::accumulate(isa, p, v, (dv, vs), acc) };
     }
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]

@@ -121,7 +121,9 @@ impl MlaAttention {
         let (b, h, t, _) = q_nope.dims4()?;
         let r = m.kv_lora_rank;
         let act = q_nope.dtype();
-        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r)
+        // q_lat_i = q_nope_i · W_UK_i per head: (H, B·T, nope) x (H, nope, r) -> (H, B·T, r);
+        // against bf16 halves on a CPU that multiplies bf16 pairs, q_nope is rounded to bf16
+        // first, as a bf16 linear rounds its x there (`per_head`).
         let q_lat = match &self.up {
             UpProj::Folded => q_nope.clone(),
             UpProj::PerHead { w_uk, .. } => {

@@ -130,7 +130,9 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
         })
         .collect();
     let rows = match q.dtype() {
-        DType::BF16 => Rows::Bf16 {
+        // Checked again here, not only by `attention`'s gate: `Rows::Bf16` is the promise
+        // the pair kernels run on this CPU.
+        DType::BF16 if pairs() => Rows::Bf16 {
             q: bits(0, "q")?,
             k: bits(1, "k")?,
             v: bits(2, "v")?,
@@ -258,7 +260,7 @@ unsafe fn piece(
             #[cfg(target_arch = "x86_64")]
             Rows::Bf16 { v, .. } => unsafe {
                 let y = std::slice::from_raw_parts_mut(y, (r1 - r0) * dv);
-                pairs::accumulate(scores, &v[values], (dv, dv), y);
+                pairs::accumulate(isa, scores, &v[values], (dv, dv), y);
                 for (row, total) in y.chunks_exact_mut(dv).zip(&totals) {
                     if *total > 0.0 {
                         row.iter_mut().for_each(|x| *x /= total); // else every key hidden: 0
