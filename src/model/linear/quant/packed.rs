@@ -31,6 +31,8 @@
 use super::{tile, Out, QRows};
 use super::{Format, QWeight, BLOCK};
 #[cfg(target_arch = "x86_64")]
+use crate::model::linear::matvec::CHUNKS_PER_THREAD;
+#[cfg(target_arch = "x86_64")]
 use crate::model::pool::Pool;
 use half::f16;
 pub(super) use parts::Parts;
@@ -150,7 +152,7 @@ impl QWeight {
         let groups = self.rows.div_ceil(ROWS);
         // Whole pairs of groups a chunk where the CPU has the 16-row tiles.
         let step = if super::vnni() { 2 } else { 1 };
-        let per = (groups.div_ceil(pool.threads() * 4))
+        let per = (groups.div_ceil(pool.threads() * CHUNKS_PER_THREAD))
             .next_multiple_of(step)
             .max(step);
         let block = tile::x_block_rows(self.cols);
