@@ -208,7 +208,13 @@ fn decode_attention_over_cache_views_equals_reference() {
     let vector = true; // NEON is aarch64's baseline
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let vector = false;
-    for (h, g, s, dk, dv) in [(6, 2, 600, 40, 24), (4, 4, 1, 16, 16), (9, 3, 257, 64, 64)] {
+    // 4500 positions: blocks of 1024, the last partial.
+    for (h, g, s, dk, dv) in [
+        (6, 2, 600, 40, 24),
+        (4, 4, 1, 16, 16),
+        (9, 3, 257, 64, 64),
+        (3, 1, 4500, 32, 40),
+    ] {
         let q = Tensor::randn(0f32, 1.0, (1, h, 1, dk), &dev).unwrap();
         let cache_k = Tensor::randn(0f32, 1.0, (1, g, s + 9, dk), &dev).unwrap();
         let cache_v = Tensor::randn(0f32, 1.0, (1, g, s + 9, dv), &dev).unwrap();
