@@ -43,10 +43,10 @@ const _: () = assert!(MAX_BLOCK.is_multiple_of(BLOCK));
 /// The block length for one head's `len` positions: a quarter of them (for 2-4 threads'
 /// work per head), in whole [`BLOCK`]s, from [`BLOCK`] to [`MAX_BLOCK`]. Each block starts a
 /// stream of the cache's rows and its own partial softmax: SmolLM2-135M Q8_0 at 6000
-/// positions (Zen 4, 2 threads, 3 alternating rounds, medians), blocks of 1024 against 256
-/// decode GQA 9/3 at 90.4 -> 98.5 tok/s and `mla:64,rope=64` at 106.5 -> 111.4. A function of
-/// the sequence's own length only, so a sequence's step sums alike alone and in a batch,
-/// whatever the threads.
+/// positions (Zen 4, 2 threads, 4 alternating rounds, medians), against blocks of 256 GQA
+/// 9/3 decodes at 89.6 -> 100.2 tok/s (its cache read at its bandwidth), `mla:64,rope=64`
+/// within noise (115 -> 116: its op is arithmetic). A function of the sequence's own length
+/// only, so a sequence's step sums alike alone and in a batch, whatever the threads.
 fn block_len(len: usize) -> usize {
     len.div_ceil(4)
         .next_multiple_of(BLOCK)
