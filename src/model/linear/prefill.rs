@@ -36,6 +36,7 @@
 
 mod widen;
 
+use super::matvec::CHUNKS_PER_THREAD;
 use super::quant::{self, QWeight};
 use super::simd::{self, Isa, IsaKind};
 use crate::model::pool::Pool;
@@ -62,10 +63,6 @@ const BF16_GEMM_ROWS: usize = 32;
 /// weights 163 / 207 GFLOP/s, SmolLM2's 1536 × 576 155-171 / 197-199. bf16 stays on the
 /// tile (`vdpbf16ps`) at every size on both.
 const F32_GEMM_ROWS_AVX512: usize = 128;
-/// Chunks per pool thread: one, as in `matvec` (one weight stream a thread). Against four,
-/// SmolLM2-135M bf16 prompts of 512 tokens 1009 -> 1062 tok/s (Zen 4, 2 threads, 6
-/// alternating rounds, medians), f32 and the 1.7B shape's bf16 within noise.
-const CHUNKS_PER_THREAD: usize = 1;
 
 /// From this many rows of x, products with block-format weights (`--dtype q8_0|q4_0`, a
 /// GGUF's blocks) go to `gemm` too, each block dequantized into the f32 buffer as bf16 is
