@@ -9,7 +9,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Module, Tensor};
 use common::{checkpoint, fails, full_logits, max_abs_diff, run_json, step_logits};
 use tiny_decoder::model::linear::simd::{self, Isa};
-use tiny_decoder::model::linear::Linear;
+use tiny_decoder::model::linear::{forward_each, Linear};
 
 /// Relative error of a quantized product against the dense one, on random data.
 fn relative_error(q: GgmlDType) -> f32 {
@@ -226,5 +226,44 @@ fn our_block_products_match_candles() {
             diff < 2e-3 * scale,
             "{q:?}: max diff {diff} (outputs up to {scale})"
         );
+    }
+}
+
+/// `forward_each` (a layer's q, k and v in one product) gives each layer's own forward: block
+/// weights of two formats with biases, one row and eight, and a set with a dense layer in it
+/// (which goes one by one).
+#[test]
+fn layers_that_share_x_give_their_own_forwards() {
+    let dev = Device::Cpu;
+    let layer = |rows: usize, q: Option<GgmlDType>, seed: f64| {
+        let w = (Tensor::randn(0f32, 1.0, (rows, 576), &dev).unwrap() * seed).unwrap();
+        let b = Tensor::randn(0f32, 1.0, rows, &dev).unwrap();
+        let mut l = Linear::new(w, Some(b));
+        if let Some(q) = q {
+            assert!(l.quantize(&q).unwrap());
+        }
+        l
+    };
+    let (q4, q8) = (Some(GgmlDType::Q4_0), Some(GgmlDType::Q8_0));
+    let blocks = [
+        layer(576, q4, 1.0),
+        layer(192, q4, 0.5),
+        layer(200, q8, 2.0),
+    ];
+    let mixed = [layer(64, q4, 1.0), layer(96, None, 1.0)];
+    for set in [&blocks[..], &mixed[..]] {
+        for m in [1, 8] {
+            let x = Tensor::randn(0f32, 1.0, (1, m, 576), &dev).unwrap();
+            let refs: Vec<&Linear> = set.iter().collect();
+            let got = forward_each(&x, &refs).unwrap();
+            assert_eq!(got.len(), set.len());
+            for (l, got) in set.iter().zip(got) {
+                let want = l.forward(&x).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let diff = max_abs_diff(&flat(&got), &flat(&want));
+                assert!(diff < 1e-4, "m={m}, {:?}: {diff}", want.dims());
+            }
+        }
     }
 }

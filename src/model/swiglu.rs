@@ -4,7 +4,7 @@
 use super::attention::decode::exp;
 use super::cpu::f32_rows;
 use super::linear::simd::Isa;
-use super::linear::{linear_b, quantize_all, Linear, Quantizer};
+use super::linear::{forward_each, linear_b, quantize_all, Linear, Quantizer};
 use super::pool::each_row;
 use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;
@@ -46,7 +46,9 @@ impl SwiGlu {
 
 impl Module for SwiGlu {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let [gate, up] =
+            <[Tensor; 2]>::try_from(forward_each(x, &[&self.gate_proj, &self.up_proj])?)
+                .map_err(|_| Error::Msg("gate, up: not two products".into()))?;
         let ours = gate.device().is_cpu()
             && [&gate, &up]
                 .iter()

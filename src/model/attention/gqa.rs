@@ -6,7 +6,7 @@ use crate::config::{AttentionConfig, ModelConfig};
 use crate::kv_cache::LayerView;
 use crate::model::linear::quantize_all;
 use crate::model::linear::Quantizer;
-use crate::model::linear::{linear_b, Linear};
+use crate::model::linear::{forward_each, linear_b, Linear};
 use crate::model::norm::RmsNorm;
 use crate::model::rms_norm;
 use crate::model::rope::Rotation;
@@ -81,9 +81,14 @@ impl GqaAttention {
         let (b, n, _) = x.dims3()?;
         let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // 1. Project every token, split heads: (1, N, H, D)
-        let mut q = self.q_proj.forward(x)?.reshape((b, n, h, d))?;
-        let mut k = self.k_proj.forward(x)?.reshape((b, n, g, d))?;
-        let v = self.v_proj.forward(x)?.reshape((b, n, g, d))?;
+        let [q, k, v] = <[Tensor; 3]>::try_from(forward_each(
+            x,
+            &[&self.q_proj, &self.k_proj, &self.v_proj],
+        )?)
+        .map_err(|_| Error::Msg("q, k, v: not three products".into()))?;
+        let mut q = q.reshape((b, n, h, d))?;
+        let mut k = k.reshape((b, n, g, d))?;
+        let v = v.reshape((b, n, g, d))?;
         // 2. Qwen3's per-head norm
         if let (Some(q_norm), Some(k_norm)) = (&self.q_norm, &self.k_norm) {
             q = q_norm.forward(&q)?;

@@ -286,43 +286,11 @@ impl QWeight {
     /// the pool (prompt-sized products go to `gemm` instead: `linear::blocks_product`).
     pub fn product(&self, x: &[f32], y: &mut [f32]) {
         let m = x.len() / self.cols;
-        assert!(
-            x.len() == m * self.cols && y.len() == m * self.rows,
-            "quantized product: x ({}) and y ({}) do not fit a {}x{} weight",
-            x.len(),
-            y.len(),
-            self.rows,
-            self.cols
-        );
-        // What the kernels' unchecked loads rely on, checked once per product.
-        let ggml_blocks = self.rows * self.cols / self.format.block_weights();
-        let fits = match self.format.split() {
-            _ if self.packed => self.packed_fits(),
-            true => {
-                let blocks = self.stored_blocks();
-                self.scales.len() == blocks
-                    && self.quants.len() == blocks * self.format.quant_bytes()
-                    && self.mins.len()
-                        == if self.format == Format::Q4_1 {
-                            blocks
-                        } else {
-                            0
-                        }
-            }
-            false => {
-                self.cols.is_multiple_of(self.format.block_weights())
-                    && self.quants.len() == ggml_blocks * self.format.ggml_bytes()
-            }
-        };
-        assert!(
-            fits,
-            "quantized product: a {}x{} weight whose blocks do not match its shape",
-            self.rows, self.cols
-        );
+        self.check(x.len(), y.len());
         let pool = Pool::global();
         #[cfg(target_arch = "x86_64")]
         if self.packed && crate::model::linear::simd::Isa::current().has_avx2() {
-            return self.packed_product(x, y);
+            return packed::product_each(&[self], x, &mut [y]);
         }
         if m >= 2 && tile::available() {
             let rows =
@@ -373,6 +341,71 @@ impl QWeight {
                 }
             }
         });
+    }
+
+    /// Asserts that x (`xs` values) and y (`ys`) fit this weight, and what the kernels'
+    /// unchecked loads rely on: that the blocks match the shape. Once per product.
+    fn check(&self, xs: usize, ys: usize) {
+        let m = xs / self.cols;
+        assert!(
+            xs == m * self.cols && ys == m * self.rows,
+            "quantized product: x ({xs}) and y ({ys}) do not fit a {}x{} weight",
+            self.rows,
+            self.cols
+        );
+        let ggml_blocks = self.rows * self.cols / self.format.block_weights();
+        let fits = match self.format.split() {
+            _ if self.packed => self.packed_fits(),
+            true => {
+                let blocks = self.stored_blocks();
+                self.scales.len() == blocks
+                    && self.quants.len() == blocks * self.format.quant_bytes()
+                    && self.mins.len()
+                        == if self.format == Format::Q4_1 {
+                            blocks
+                        } else {
+                            0
+                        }
+            }
+            false => {
+                self.cols.is_multiple_of(self.format.block_weights())
+                    && self.quants.len() == ggml_blocks * self.format.ggml_bytes()
+            }
+        };
+        assert!(
+            fits,
+            "quantized product: a {}x{} weight whose blocks do not match its shape",
+            self.rows, self.cols
+        );
+    }
+
+    /// [`product`](Self::product) of the same x with each of `ws` into each of `ys`, as one
+    /// product where it can (a layer's q, k and v; its gate and up): packed weights of one
+    /// width that round x alike share one rounding of x and one pass over the pool, their
+    /// groups of rows split over it as if they were one weight's. Any other, each alone.
+    pub fn products(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
+        assert_eq!(
+            ws.len(),
+            ys.len(),
+            "quantized products: weights and outputs"
+        );
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            w.check(x.len(), y.len());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(first) = ws.first() {
+            let shared = ws.iter().all(|w| {
+                w.packed
+                    && w.cols == first.cols
+                    && QRows::span_for(w.format, w.cols) == QRows::span_for(first.format, w.cols)
+            });
+            if shared && crate::model::linear::simd::Isa::current().has_avx2() {
+                return packed::product_each(ws, x, ys);
+            }
+        }
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            w.product(x, y);
+        }
     }
 }
 

@@ -105,6 +105,55 @@ fn has_highs(format: Format) -> bool {
     matches!(format, Format::Q5_0 | Format::Q5_1)
 }
 
+/// `QWeight::products` of packed weights on x86 (`QWeight::product` of one): the groups of
+/// 8 rows of all of them, in turn, split over the pool as one weight's; x in blocks of rows
+/// that stay in the near caches ([`tile::x_block_rows`]), each rounded once for all.
+///
+/// The caller (`QWeight::products`) checked AVX2, each weight's planes against its shape
+/// and x and y against it, and that all have x's width and round x alike.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
+    let Some(first) = ws.first().filter(|_| !x.is_empty()) else {
+        return;
+    };
+    let (cols, pool) = (first.cols, Pool::global());
+    // Where each weight's groups start in the groups of all, and their count.
+    let starts: Vec<usize> = (ws.iter())
+        .scan(0, |at, w| {
+            Some(std::mem::replace(at, *at + w.rows.div_ceil(ROWS)))
+        })
+        .collect();
+    let groups = ws.iter().map(|w| w.rows.div_ceil(ROWS)).sum::<usize>();
+    if groups == 0 {
+        return;
+    }
+    // Whole pairs of groups a chunk where the CPU has the 16-row tiles.
+    let step = if super::vnni() { 2 } else { 1 };
+    let per = (groups.div_ceil(pool.threads() * CHUNKS_PER_THREAD))
+        .next_multiple_of(step)
+        .max(step);
+    let block = tile::x_block_rows(cols);
+    for (b, x) in x.chunks(block * cols).enumerate() {
+        let xq = QRows::quantize_for(first.format, x, cols);
+        // This block's rows of each y.
+        let outs: Vec<Out> = (ys.iter_mut().zip(ws))
+            .map(|(y, w)| Out(y[b * block * w.rows..].as_mut_ptr()))
+            .collect();
+        pool.run(groups.div_ceil(per), &|c| {
+            let (c0, c1) = (c * per, ((c + 1) * per).min(groups));
+            for ((w, &start), out) in ws.iter().zip(&starts).zip(&outs) {
+                let (g0, g1) = (c0.max(start), c1.min(start + w.rows.div_ceil(ROWS)));
+                if g0 < g1 {
+                    // SAFETY: the caller's checks (above); chunk c alone writes the columns of
+                    // w's groups g0..g1 (of this block's rows of its y); x holds this
+                    // block's rows at w's width, rounded for its format.
+                    unsafe { x86::rows(w, (g0 - start, g1 - start), &xq, out.0) };
+                }
+            }
+        });
+    }
+}
+
 impl QWeight {
     /// This weight in the packed layout (`true`) or as it was read (`false`: rows, Q5's in
     /// ggml's blocks); the same weights either way. The constructors choose by [`wanted`];
@@ -139,37 +188,6 @@ impl QWeight {
             out.put(b, self.parts(b));
         }
         out
-    }
-
-    /// `QWeight::product` for a packed weight on x86: groups of 8 rows split over the
-    /// pool, x in blocks of rows that stay in the near caches ([`tile::x_block_rows`]).
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn packed_product(&self, x: &[f32], y: &mut [f32]) {
-        if self.rows == 0 || x.is_empty() {
-            return;
-        }
-        let pool = Pool::global();
-        let groups = self.rows.div_ceil(ROWS);
-        // Whole pairs of groups a chunk where the CPU has the 16-row tiles.
-        let step = if super::vnni() { 2 } else { 1 };
-        let per = (groups.div_ceil(pool.threads() * CHUNKS_PER_THREAD))
-            .next_multiple_of(step)
-            .max(step);
-        let block = tile::x_block_rows(self.cols);
-        for (x, y) in x
-            .chunks(block * self.cols)
-            .zip(y.chunks_mut(block * self.rows))
-        {
-            let xq = QRows::quantize_for(self.format, x, self.cols);
-            let out = &Out(y.as_mut_ptr());
-            pool.run(groups.div_ceil(per), &|c| {
-                let (g0, g1) = (c * per, ((c + 1) * per).min(groups));
-                // SAFETY: the caller (`product`) checked AVX2 and the planes against the
-                // shape; chunk c alone writes the columns of groups g0..g1; x holds this
-                // block's rows at our width.
-                unsafe { x86::rows(self, (g0, g1), &xq, out.0) };
-            });
-        }
     }
 
     /// This weight's format and shape with no planes: what a layout's planes are put into.

@@ -14,11 +14,15 @@ impl QRows {
     /// Quantizes `x` for a product with a weight in `format`: one scale per 256 values
     /// against a K-quant (what its kernels sum in integers, as llama.cpp's Q8_K), else per 32.
     pub fn quantize_for(format: Format, x: &[f32], cols: usize) -> Self {
-        let span = match format.block_weights() {
+        Self::quantize_span(x, cols, Self::span_for(format, cols))
+    }
+
+    /// The values per scale of [`quantize_for`](Self::quantize_for).
+    pub fn span_for(format: Format, cols: usize) -> usize {
+        match format.block_weights() {
             QK_K if cols.is_multiple_of(QK_K) => QK_K,
             _ => BLOCK,
-        };
-        Self::quantize_span(x, cols, span)
+        }
     }
 
     fn quantize_span(x: &[f32], cols: usize, span: usize) -> Self {

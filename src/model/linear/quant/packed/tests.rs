@@ -259,3 +259,42 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
         }
     }
 }
+
+/// Several weights of one width through `QWeight::products` against each `product` alone:
+/// groups of 8 rows that are odd in number (a chunk then starts a weight mid-pair), a weight
+/// smaller than a chunk, formats that round x alike (one product) and a K-quant beside a
+/// 32-weight format (rounded apart: each alone), 1 to 130 rows of x.
+#[test]
+fn products_of_several_weights_equal_each_alone() {
+    let cols = 512;
+    let sets: [&[(usize, usize)]; 3] = [
+        &[(1, 24), (3, 13), (0, 8), (5, 40)], // Q4_0 x2 (24 rows: 3 groups), Q8_0, Q5_1
+        &[(5, 21), (7, 5)],                   // Q4_K and Q6_K: both per superblock
+        &[(1, 16), (5, 9), (2, 3)],           // Q4_0, Q4_K, Q4_1: two roundings of x
+    ];
+    for set in sets {
+        let ws: Vec<QWeight> = (set.iter().enumerate())
+            .map(|(i, &(f, rows))| weight(FORMATS[f], rows, cols, 10 + i as u32).repacked(true))
+            .collect();
+        let refs: Vec<&QWeight> = ws.iter().collect();
+        // 130 rows: two blocks of x (128 rows of 512 values, then 2).
+        for m in [1, 3, 8, 13, 130] {
+            let x = data(m * cols, 40 + m as u32);
+            let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; m * w.rows]).collect();
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+            QWeight::products(&refs, &x, &mut outs);
+            for (w, got) in ws.iter().zip(&ys) {
+                let mut want = vec![f32::NAN; m * w.rows];
+                w.product(&x, &mut want);
+                for (i, (g, v)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - v).abs() <= 1e-5 * v.abs().max(1.0),
+                        "{:?} {}x{cols}, m={m}, value {i}: {g} together, {v} alone",
+                        w.format,
+                        w.rows
+                    );
+                }
+            }
+        }
+    }
+}
