@@ -34,9 +34,10 @@ pub fn sdpa_spans(q: &Tensor, helds: &[Held], spans: &[Span], scale: f64) -> Res
         // The queries as rows of H·Dk, in f32: (1, N, H, Dk).
         let rows = q.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
         let rows = rows.flatten_all()?.to_vec1::<f32>()?;
-        let qs: Vec<f32> = (fused.iter())
-            .flat_map(|&i| rows[spans[i].start * h * dk..][..h * dk].iter().copied())
-            .collect();
+        let mut qs = Vec::with_capacity(fused.len() * h * dk);
+        for &i in &fused {
+            qs.extend_from_slice(&rows[spans[i].start * h * dk..][..h * dk]);
+        }
         let which: Vec<&Held> = fused.iter().map(|&i| &helds[i]).collect();
         let out = decode::attend_each(scale as f32, &qs, h, &which)?;
         let width = out.len() / fused.len();
