@@ -95,8 +95,8 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// The same values as candle-nn's RMSNorm, on few rows (in the caller) and many (on the
-    /// pool).
+    /// candle-nn's RMSNorm's values but for the order of the sum of squares (a few ulp), on
+    /// few rows (in the caller) and many (on the pool), a row not whole lanes of 8.
     #[test]
     fn rms_norm_matches_candle_nn() -> Result<()> {
         let dev = Device::Cpu;
@@ -106,7 +106,11 @@ mod tests {
             let got = RmsNorm::new(w.clone(), 1e-5).forward(&x)?;
             let want = candle_nn::ops::rms_norm(&x, &w, 1e-5)?;
             let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-6, "{rows} rows: {diff}");
+            let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff <= 4.0 * f32::EPSILON * top,
+                "{rows} rows: {diff} (values to {top})"
+            );
         }
         Ok(())
     }
