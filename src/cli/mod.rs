@@ -6,6 +6,7 @@ mod chat;
 mod conversion;
 mod convert_cmd;
 mod generate;
+mod huge_pages;
 mod serve;
 
 pub use chat::run_chat;
@@ -215,6 +216,7 @@ pub fn run_bench(b: BenchArgs) -> Result<()> {
             }
             let mut loaded = loader::random(&cfg, dtype, quant, &device)?;
             conversion::set_kv_dtype(&mut loaded.model, &b.placement)?;
+            huge_pages::weights_into_huge_pages();
             (loaded, None)
         }
         (None, None) => bail!("bench needs --model or --config"),
