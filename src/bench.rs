@@ -104,11 +104,16 @@ pub fn run(
     })
 }
 
+/// The buffer [`machine_read_gb_per_s`] reads: 256 MiB (8× a large L3). The caller may
+/// place it as it places the weights (the CLI: in huge pages) before the read.
+pub fn read_probe_buffer() -> Vec<u64> {
+    vec![1u64; (256 << 20) / 8]
+}
+
 /// This machine's memory read bandwidth in GB/s, as decode can use it: every thread of the
-/// pool sums its share of a 256 MiB buffer (8× a large L3), best of 3 passes. Beside
+/// pool sums its share of `data` ([`read_probe_buffer`]), best of 3 passes. Beside
 /// `decode_read_gb_per_s` it says how close decode comes to the hardware.
-pub fn machine_read_gb_per_s() -> f64 {
-    let data = vec![1u64; (256 << 20) / 8];
+pub fn machine_read_gb_per_s(data: &[u64]) -> f64 {
     let pool = crate::model::pool::Pool::global();
     let chunk = data.len().div_ceil(pool.threads());
     let sums: Vec<std::sync::atomic::AtomicU64> = (0..pool.threads()).map(|_| 0.into()).collect();

@@ -32,7 +32,7 @@ pub(super) fn load_reported(
         }
     };
     set_kv_dtype(&mut loaded.model, p)?;
-    super::huge_pages::weights_into_huge_pages();
+    super::huge_pages::into_huge_pages();
     Ok((loaded, report))
 }
 

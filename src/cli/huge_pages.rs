@@ -14,6 +14,9 @@
 //! The cost is at load: copying the pages, 0.06 s for 256 MiB where the VM had huge pages
 //! at hand and up to 0.5 s where the host had to back them first.
 //!
+//! `bench`'s read of the machine's bandwidth goes through the same pages, so that decode's
+//! read compares with it.
+//!
 //! Done here, in the command line, not in the library: it acts on the whole process's
 //! memory, which is the program's business, not a library's.
 
@@ -21,7 +24,7 @@
 /// mappings of large blocks) into huge pages. Thread stacks (smaller) and files are left
 /// alone. Failures are ignored: the memory stays as it was.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-pub(super) fn weights_into_huge_pages() {
+pub(super) fn into_huge_pages() {
     const HUGE: usize = 2 << 20;
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return;
@@ -41,7 +44,7 @@ pub(super) fn weights_into_huge_pages() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub(super) fn weights_into_huge_pages() {}
+pub(super) fn into_huge_pages() {}
 
 /// Anonymous mappings below this are not malloc's (main.rs sets its mmap threshold to 32
 /// MiB); thread stacks are among them.
