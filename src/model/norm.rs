@@ -66,7 +66,8 @@ impl CustomOp2 for Norm {
         }
         let mut out = x.to_vec();
         each_row(&mut out, n, |_, row| {
-            let m = (sum_of_squares(row) / n as f32 + self.0).sqrt();
+            let sum2 = row.iter().map(|v| v * v).sum::<f32>();
+            let m = (sum2 / n as f32 + self.0).sqrt();
             for (v, w) in row.iter_mut().zip(w) {
                 *v = *v / m * w;
             }
@@ -75,42 +76,23 @@ impl CustomOp2 for Norm {
     }
 }
 
-/// Σ v² in eight lanes, so that the loop vectorizes (one running sum is a chain of
-/// dependent adds the compiler must keep in order: 576 values took ~0.6 µs, and a batched
-/// step of 8 rows makes 61 norms of 8 rows).
-fn sum_of_squares(row: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        for (s, v) in lanes.iter_mut().zip(c) {
-            *s += v * v;
-        }
-    }
-    let tail = chunks.remainder().iter().map(|v| v * v).sum::<f32>();
-    lanes.iter().sum::<f32>() + tail
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// candle-nn's RMSNorm's values but for the order of the sum of squares (a few ulp), on
-    /// few rows (in the caller) and many (on the pool), a row not whole lanes of 8.
+    /// The same values as candle-nn's RMSNorm, on few rows (in the caller) and many (on the
+    /// pool).
     #[test]
     fn rms_norm_matches_candle_nn() -> Result<()> {
         let dev = Device::Cpu;
-        let w = Tensor::randn(0f32, 1.0, 99, &dev)?;
+        let w = Tensor::randn(0f32, 1.0, 96, &dev)?;
         for rows in [3, 1000] {
-            let x = Tensor::randn(0f32, 2.0, (1, rows, 99), &dev)?;
+            let x = Tensor::randn(0f32, 2.0, (1, rows, 96), &dev)?;
             let got = RmsNorm::new(w.clone(), 1e-5).forward(&x)?;
             let want = candle_nn::ops::rms_norm(&x, &w, 1e-5)?;
             let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(
-                diff <= 4.0 * f32::EPSILON * top,
-                "{rows} rows: {diff} (values to {top})"
-            );
+            assert!(diff < 1e-6, "{rows} rows: {diff}");
         }
         Ok(())
     }
