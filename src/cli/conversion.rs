@@ -32,7 +32,6 @@ pub(super) fn load_reported(
         }
     };
     set_kv_dtype(&mut loaded.model, p)?;
-    super::huge_pages::into_huge_pages();
     Ok((loaded, report))
 }
 
