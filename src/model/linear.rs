@@ -324,7 +324,13 @@ fn blocks_y(y: Vec<f32>, x: &Tensor, q: &QWeight) -> Result<Tensor> {
 /// gate and up), in one product where all hold block weights and x has few rows
 /// ([`QWeight::products`]: one rounding of x, one pass over the pool; SmolLM2's Q4_0 file
 /// at `bench --batch 8`: 723 -> 824 tok/s, Zen 4); else one by one.
-pub fn forward_each(x: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>> {
+pub fn forward_each<const N: usize>(x: &Tensor, layers: [&Linear; N]) -> Result<[Tensor; N]> {
+    <[Tensor; N]>::try_from(products_of(x, &layers)?)
+        .map_err(|_| candle_core::Error::Msg("forward_each: one product a layer".into()))
+}
+
+/// [`forward_each`]'s products, in the layers' order.
+fn products_of(x: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>> {
     let blocks: Option<Vec<&QWeight>> = (layers.iter())
         .map(|l| match &l.weight {
             Weight::Blocks(q) => Some(&**q),

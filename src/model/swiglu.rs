@@ -46,9 +46,7 @@ impl SwiGlu {
 
 impl Module for SwiGlu {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] =
-            <[Tensor; 2]>::try_from(forward_each(x, &[&self.gate_proj, &self.up_proj])?)
-                .map_err(|_| Error::Msg("gate, up: not two products".into()))?;
+        let [gate, up] = forward_each(x, [&self.gate_proj, &self.up_proj])?;
         let ours = gate.device().is_cpu()
             && [&gate, &up]
                 .iter()

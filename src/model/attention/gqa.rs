@@ -81,11 +81,7 @@ impl GqaAttention {
         let (b, n, _) = x.dims3()?;
         let (h, g, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // 1. Project every token, split heads: (1, N, H, D)
-        let [q, k, v] = <[Tensor; 3]>::try_from(forward_each(
-            x,
-            &[&self.q_proj, &self.k_proj, &self.v_proj],
-        )?)
-        .map_err(|_| Error::Msg("q, k, v: not three products".into()))?;
+        let [q, k, v] = forward_each(x, [&self.q_proj, &self.k_proj, &self.v_proj])?;
         let mut q = q.reshape((b, n, h, d))?;
         let mut k = k.reshape((b, n, g, d))?;
         let v = v.reshape((b, n, g, d))?;

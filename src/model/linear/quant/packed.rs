@@ -117,13 +117,12 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
         return;
     };
     let (cols, pool) = (first.cols, Pool::global());
-    // Where each weight's groups start in the groups of all, and their count.
-    let starts: Vec<usize> = (ws.iter())
-        .scan(0, |at, w| {
-            Some(std::mem::replace(at, *at + w.rows.div_ceil(ROWS)))
-        })
-        .collect();
-    let groups = ws.iter().map(|w| w.rows.div_ceil(ROWS)).sum::<usize>();
+    // Where each weight's groups start in the groups of all, and where the last ends.
+    let mut bounds = vec![0];
+    for w in ws {
+        bounds.push(bounds[bounds.len() - 1] + w.rows.div_ceil(ROWS));
+    }
+    let groups = bounds[ws.len()];
     if groups == 0 {
         return;
     }
@@ -141,8 +140,9 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
             .collect();
         pool.run(groups.div_ceil(per), &|c| {
             let (c0, c1) = (c * per, ((c + 1) * per).min(groups));
-            for ((w, &start), out) in ws.iter().zip(&starts).zip(&outs) {
-                let (g0, g1) = (c0.max(start), c1.min(start + w.rows.div_ceil(ROWS)));
+            for ((w, bound), out) in ws.iter().zip(bounds.windows(2)).zip(&outs) {
+                let (start, end) = (bound[0], bound[1]);
+                let (g0, g1) = (c0.max(start), c1.min(end));
                 if g0 < g1 {
                     // SAFETY: the caller's checks (above); chunk c alone writes the columns of
                     // w's groups g0..g1 (of this block's rows of its y); x holds this
