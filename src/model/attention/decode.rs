@@ -145,6 +145,9 @@ impl Cached for u16 {
         unsafe {
             match q {
                 Query::Paired(q) => simd::rows_bf16_strided(isa, q, d, k, out, ld),
+                // Several heads over keys of whole registers: transposed, no lane sums.
+                #[cfg(target_arch = "x86_64")]
+                Query::Bf16(q) if q.len() > d && keys::takes(d) => keys::scores(q, d, k, out, ld),
                 Query::Bf16(q) => simd::rows_bf16_pairs_strided(isa, q, d, k, out, ld),
                 Query::F32(_) => unreachable!("a bf16 cache's query is made by `Queries`"),
             }
@@ -400,6 +403,8 @@ impl CustomOp3 for DecodeAttention<'_> {
 #[cfg(target_arch = "aarch64")]
 mod arm;
 mod each;
+#[cfg(target_arch = "x86_64")]
+mod keys;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod pairs;
 mod query;
