@@ -404,7 +404,7 @@ impl CustomOp3 for DecodeAttention<'_> {
 mod arm;
 mod each;
 #[cfg(target_arch = "x86_64")]
-mod keys;
+pub(super) mod keys;
 #[cfg(target_arch = "x86_64")]
 pub(super) mod pairs;
 mod query;

@@ -13,8 +13,8 @@
 //!
 //! Over a bf16 cache where the CPU multiplies bf16 pairs (AVX-512 BF16), q (rounded to bf16),
 //! k and v are read as bf16 and both products run on the decode op's pair kernel
-//! (`decode::pairs`: two keys' or two positions' values per `vdpbf16ps`, the keys transposed
-//! per piece), the weights rounded to bf16 for the values as the decode op rounds them (its
+//! (`decode::keys` and `decode::pairs`: 16 keys transposed in registers, two positions'
+//! values per `vdpbf16ps`), the weights rounded to bf16 for the values as the decode op rounds them (its
 //! numerators, divided by their sum after); elsewhere they are widened to f32 first
 //! (`sdpa`). SmolLM2-135M bf16, a
 //! 3000-token prompt (Zen 4, 2 threads): 608-630 -> 709-732 tok/s.
@@ -274,15 +274,25 @@ unsafe fn piece(
 }
 
 /// `scores (M, n) = q (M, Dk) · kᵀ` for bf16 q and the first n keys of `k` (raw bits, rows
-/// of Dk): the keys transposed, each of their Dk columns a row of n, so that the pair
-/// kernel of the decode op's value sum ([`pairs`]) makes the scores with q's rows as its
-/// weights (two key columns a `vdpbf16ps`, no sums across lanes).
+/// of Dk): on the decode op's score kernel ([`decode::keys`], 16 keys transposed in
+/// registers, each lane one key), the same sums as a decode step's. Keys of other widths
+/// are transposed in memory, each of their Dk columns a row of n, so that the pair kernel
+/// of the decode op's value sum ([`pairs`]) makes the scores with q's rows as its weights
+/// (two key columns a `vdpbf16ps`, in the same order). That transpose in memory, a store
+/// per value n apart, cost more than the register transposes redone for each 16 query
+/// rows: SmolLM2 bf16 (Zen 4, alternating runs) `mla:64,rope=64` prefilled 2000 tokens at
+/// 695-716 -> 761-771 tok/s and 6000 at 372-383 -> 463-471, the original 6000 at 496-502
+/// -> 511-549 (2000 even).
 ///
 /// # Safety
 /// The CPU multiplies bf16 pairs (`simd::bf16_pairs`).
 #[cfg(target_arch = "x86_64")]
 unsafe fn scores_bf16(q: &[u16], k: &[u16], n: usize, scores: &mut [f32]) {
     let dk = q.len() / (scores.len() / n);
+    if decode::keys::takes(dk) {
+        // SAFETY: the caller's contract; `scores` holds q's rows of n.
+        return unsafe { decode::keys::scores(q, dk, &k[..n * dk], scores.as_mut_ptr(), n) };
+    }
     KEYS_T.with_borrow_mut(|kt| {
         kt.clear();
         kt.resize(dk * n, 0);

@@ -51,8 +51,9 @@ fn fused_attention_matches_the_three_passes() -> Result<()> {
 }
 
 /// bf16 operands where the CPU multiplies bf16 pairs: the shapes above but Dk 25 (an odd
-/// last row of the scores' pairs) and Dv 40 (a tile of 32 columns and a tail), odd key
-/// counts, against the three passes over the same
+/// last row of the scores' pairs) or 64 (the keys transposed in registers, `decode::keys`)
+/// and Dv 40 (a tile of 32 columns and a tail), odd key counts, against the three passes
+/// over the same
 /// values widened, with the weights' numerators rounded to bf16 as the pairs read them.
 /// Within 4e-3: the scores' f32 sums run in another order, and a last bit of a score can
 /// move its weight's rounding by one bf16 step (2⁻⁸ of it; the window's 37 keys make
@@ -64,10 +65,11 @@ fn fused_attention_in_bf16_pairs_matches_the_three_passes() -> Result<()> {
         return Ok(());
     }
     let dev = Device::Cpu;
-    let (t, dk, dv) = (150, 25, 40);
+    let (t, dv) = (150, 40);
     let bf16 = |t: Tensor| t.to_dtype(DType::BF16);
     let wide = |t: &Tensor| t.to_dtype(DType::F32);
-    for (cached, window) in [(0, usize::MAX), (41, usize::MAX), (41, 37)] {
+    let shapes = [(0, usize::MAX), (41, usize::MAX), (41, 37)];
+    for ((cached, window), dk) in shapes.into_iter().flat_map(|c| [(c, 25), (c, 64)]) {
         let s = cached + t;
         let q = bf16(Tensor::randn(0f32, 1.0, (2, 2, 2 * t, dk), &dev)?)?;
         let k = bf16(Tensor::randn(0f32, 1.0, (2, 2, s, dk), &dev)?)?;
@@ -83,7 +85,10 @@ fn fused_attention_in_bf16_pairs_matches_the_three_passes() -> Result<()> {
         let want = products(&numerators, &wide(&v)?.transpose(2, 3)?).expect("taken")?;
         let want = want.broadcast_div(&sums)?;
         let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 4e-3, "{cached} cached, window {window}: {diff}");
+        assert!(
+            diff < 4e-3,
+            "{cached} cached, window {window}, Dk {dk}: {diff}"
+        );
     }
     Ok(())
 }
