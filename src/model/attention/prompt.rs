@@ -90,6 +90,20 @@ fn numerators_row(isa: Isa, row: &mut [f32], scale: f32, hide: &[f32]) -> f32 {
     total
 }
 
+/// [`numerators_row`] for a row whose mask is 0 over columns `a..b` and -inf elsewhere: the
+/// same values (`x·scale + 0` is `x·scale`, and the sum runs in the same lanes), with the
+/// hidden columns set rather than the whole mask added and checked.
+fn numerators_shown(isa: Isa, row: &mut [f32], scale: f32, (a, b): (usize, usize)) -> f32 {
+    let hidden = |row: &mut [f32], x: f32| {
+        row[..a].fill(x);
+        row[b..].fill(x);
+    };
+    hidden(row, f32::NEG_INFINITY);
+    let (_, total) = softmax_row(isa, row, scale);
+    hidden(row, 0.0);
+    total
+}
+
 /// `softmax(scores · scale + mask)` along the last dimension: scores (.., k·T, S) in rows of
 /// S (k heads' T queries each), the mask (T, S) of 0 and -inf added to each T rows; f32 on
 /// CPU, else `None` (candle's ops).

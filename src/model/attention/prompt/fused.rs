@@ -19,7 +19,7 @@
 //! (`sdpa`). SmolLM2-135M bf16, a
 //! 3000-token prompt (Zen 4, 2 threads): 608-630 -> 709-732 tok/s.
 
-use super::{numerators_row, weights_row, PRODUCT_ROWS};
+use super::{numerators_row, numerators_shown, PRODUCT_ROWS};
 use crate::model::attention::decode;
 #[cfg(target_arch = "x86_64")]
 use crate::model::attention::decode::pairs;
@@ -88,6 +88,10 @@ struct Operands<'a> {
     hide: &'a [f32],
     /// Per mask row: the columns from its first 0 to its last (none: an empty range).
     shown: Vec<(usize, usize)>,
+    /// Per mask row: some column shown, and 0 in every shown column (a causal or sliding
+    /// window's mask), so that its weights need only the hidden columns set, not the whole
+    /// mask added.
+    plain: Vec<bool>,
     /// Query rows per group (R), keys (S), mask rows (T), Dk, Dv.
     r: usize,
     s: usize,
@@ -122,12 +126,15 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
     };
     let hide = rows(3, "the mask")?;
     let seen = |x: &f32| *x != f32::NEG_INFINITY;
-    let shown = hide
+    let shown: Vec<(usize, usize)> = hide
         .chunks_exact(s)
         .map(|m| {
             let first = m.iter().position(seen).unwrap_or(s);
             (first, m.iter().rposition(seen).map_or(first, |l| l + 1))
         })
+        .collect();
+    let plain = (hide.chunks_exact(s).zip(&shown))
+        .map(|(m, &(a, b))| a < b && m[a..b].iter().all(|&x| x == 0.0))
         .collect();
     let rows = match q.dtype() {
         // Checked again here, not only by `attention`'s gate: `Rows::Bf16` is the promise
@@ -147,6 +154,7 @@ fn checked(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Tensor) -> Res
         rows,
         hide,
         shown,
+        plain,
         r,
         s,
         t,
@@ -212,8 +220,12 @@ unsafe fn piece(
     let values = (head * s + c0) * dv..(head * s + c1) * dv;
     let mut totals = vec![0f32; r1 - r0];
     SCORES.with_borrow_mut(|scores| {
-        scores.clear();
-        scores.resize((r1 - r0) * n, 0.0);
+        // Every product below writes each score (none adds to it): no zeros first.
+        let need = (r1 - r0) * n;
+        if scores.len() < need {
+            scores.resize(need, 0.0);
+        }
+        let scores = &mut scores[..need];
         match o.rows {
             Rows::F32 { q, k, .. } => {
                 let keys = &k[keys..keys + n * dk];
@@ -225,18 +237,31 @@ unsafe fn piece(
             #[cfg(not(target_arch = "x86_64"))]
             Rows::Bf16 { .. } => unreachable!("bf16 pairs are x86's"),
         }
-        let hide = |j: usize| &o.hide[(r0 + j) % t * s + c0..][..n];
+        // Row j's numerators, exp(row · scale + mask − max), and their sum.
+        let numerators = |j: usize, row: &mut [f32]| {
+            let m = (r0 + j) % t;
+            match o.plain[m] {
+                true => {
+                    let (a, b) = o.shown[m];
+                    numerators_shown(isa, row, scale, (a - c0, b - c0))
+                }
+                false => numerators_row(isa, row, scale, &o.hide[m * s + c0..][..n]),
+            }
+        };
         match o.rows {
             Rows::F32 { .. } => {
                 for (j, row) in scores.chunks_exact_mut(n).enumerate() {
-                    weights_row(isa, row, scale, hide(j));
+                    let total = numerators(j, row);
+                    if total > 0.0 {
+                        row.iter_mut().for_each(|x| *x /= total); // else every key hidden
+                    }
                 }
             }
             // The numerators only, divided by their sums after the values, as the decode op
             // divides its own: the two round the same weights to bf16.
             Rows::Bf16 { .. } => {
                 for (j, row) in scores.chunks_exact_mut(n).enumerate() {
-                    totals[j] = numerators_row(isa, row, scale, hide(j));
+                    totals[j] = numerators(j, row);
                 }
             }
         }
@@ -301,7 +326,8 @@ unsafe fn scores_bf16(q: &[u16], k: &[u16], n: usize, scores: &mut [f32]) {
                 kt[i * n + j] = x;
             }
         }
-        // SAFETY: the caller's contract.
+        scores.fill(0.0); // the pair kernel adds to them
+                          // SAFETY: the caller's contract.
         unsafe { pairs::accumulate_bits(q, kt, (n, n), scores) }
     });
 }

@@ -135,3 +135,36 @@ fn products_match_candle_matmul() -> Result<()> {
     assert!(diff < 1e-4, "{diff}");
     Ok(())
 }
+
+/// A row whose mask is 0 over its shown columns and -inf elsewhere: the numerators and their
+/// sum with only the hidden columns set equal those with the whole mask added, bit for bit
+/// (rows hiding their start, their end, both or neither, and scores of ±0).
+#[test]
+fn numerators_of_a_plain_mask_equal_the_masks_bit_for_bit() -> Result<()> {
+    let dev = Device::Cpu;
+    let isa = Isa::current();
+    let n = 100;
+    for (a, b) in [(0, n), (0, 37), (13, n), (13, 87), (50, 51)] {
+        let mut row = Tensor::randn(0f32, 4.0, n, &dev)?.to_vec1::<f32>()?;
+        (row[a], row[b - 1]) = (-0.0, 0.0);
+        let mask: Vec<f32> = (0..n)
+            .map(|j| {
+                if (a..b).contains(&j) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let (mut plain, mut whole) = (row.clone(), row);
+        let total = numerators_shown(isa, &mut plain, 0.3, (a, b));
+        let want = numerators_row(isa, &mut whole, 0.3, &mask);
+        assert_eq!(total.to_bits(), want.to_bits(), "shown {a}..{b}: the sums");
+        let same = plain
+            .iter()
+            .zip(&whole)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "shown {a}..{b}: the numerators");
+    }
+    Ok(())
+}
