@@ -13,6 +13,7 @@
 //! cache does, bit for bit. And as the prompt's attention does: its keys transposed in
 //! memory (`prompt/fused.rs`), each lane one key, the pairs in the same order.
 
+use super::pairs::as_bh;
 use std::arch::x86_64::*;
 
 /// Keys per block: the lanes of a register.
@@ -181,14 +182,6 @@ fn transpose(r: [__m512i; 16]) -> [__m512i; 16] {
         t[12 + c] = odd(lo13, hi13);
     }
     t
-}
-
-/// 32 bf16 lanes of an integer vector, as the pair instructions type them.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-#[inline]
-fn as_bh(x: __m512i) -> __m512bh {
-    // SAFETY: both types are 64 bytes of lanes.
-    unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
 }
 
 #[cfg(test)]

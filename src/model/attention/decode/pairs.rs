@@ -232,7 +232,7 @@ fn indices(i: [i32; 16]) -> __m512i {
 /// 32 bf16 lanes of an integer vector, as the pair instructions type them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-fn as_bh(x: __m512i) -> __m512bh {
+pub(super) fn as_bh(x: __m512i) -> __m512bh {
     // SAFETY: both types are 64 bytes of lanes.
     unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
 }
