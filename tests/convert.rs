@@ -554,11 +554,14 @@ fn calibration_from_a_directory_or_several_files_is_their_text_joined() {
 
 /// Token-by-token decode gives the full forward's NLL in SmolLM2's bf16 weights and cache,
 /// original and MLA (`mla:64` with kv_b_proj folded into q_proj and o_proj, `mla:192` with it
-/// kept per head in bf16: `forms::per_head`'s bf16 products): the mean NLL of 127 next tokens within 1e-2 (as the bf16 NLL against
-/// transformers). bf16 products round their inputs to bf16, so an f32 sum in another order
+/// kept per head in bf16: `forms::per_head`'s bf16 products): the mean NLL of 127 next
+/// tokens within 1e-2 (as the bf16 NLL against transformers). bf16 products round their inputs to bf16, so an f32 sum in another order
 /// (a prompt's tile against a decode step's) can move a rounding: single logits of the two
-/// differ by up to ~0.4. (Zen 5 with AVX-512 BF16, 2026-11-27: 1.4e-3 for both; 4.5e-3 for
-/// the original before either attention rounded its query to bf16 on such a host.)
+/// differ by up to ~0.6, below 0.75. (Zen 5 with AVX-512 BF16, 2026-11-27: 1.4e-3 for both;
+/// 4.5e-3 for the original before either attention rounded its query to bf16 on such a host.
+/// Zen 4, 2026-11-29, the scores on keys transposed in registers: the original 2.3e-3 and
+/// 0.59 at most, `mla:64` 9.6e-4 and 0.33, `mla:192` 6.6e-4 and 0.38; before, 4.2e-3 and
+/// 0.40, 5.6e-4 and 0.34, 3.6e-3 and 0.37: one logit of 127 × 49152 moved by a flip.)
 #[test]
 fn smollm2_bf16_decode_matches_forward_original_and_mla() {
     let Some(dir) = checkpoint("smollm2-135m-instruct-bf16") else {
@@ -596,6 +599,6 @@ fn smollm2_bf16_decode_matches_forward_original_and_mla() {
             (step_nll - full_nll).abs() < 1e-2,
             "{name}: {step_nll} vs {full_nll}"
         );
-        assert!(worst < 0.5, "{name}: logits {worst} apart");
+        assert!(worst < 0.75, "{name}: logits {worst} apart");
     }
 }

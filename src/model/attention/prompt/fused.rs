@@ -14,10 +14,10 @@
 //! Over a bf16 cache where the CPU multiplies bf16 pairs (AVX-512 BF16), q (rounded to bf16),
 //! k and v are read as bf16 and both products run on the decode op's pair kernel
 //! (`decode::keys` and `decode::pairs`: 16 keys transposed in registers, two positions'
-//! values per `vdpbf16ps`), the weights rounded to bf16 for the values as the decode op rounds them (its
-//! numerators, divided by their sum after); elsewhere they are widened to f32 first
-//! (`sdpa`). SmolLM2-135M bf16, a
-//! 3000-token prompt (Zen 4, 2 threads): 608-630 -> 709-732 tok/s.
+//! values per `vdpbf16ps`), the weights rounded to bf16 for the values as the decode op
+//! rounds them (its numerators, divided by their sum after); elsewhere they are widened to
+//! f32 first (`sdpa`). SmolLM2-135M bf16, a 3000-token prompt (Zen 4, 2 threads): 608-630
+//! -> 709-732 tok/s.
 
 use super::{numerators_row, numerators_shown, PRODUCT_ROWS};
 use crate::model::attention::decode;
@@ -326,8 +326,9 @@ unsafe fn scores_bf16(q: &[u16], k: &[u16], n: usize, scores: &mut [f32]) {
                 kt[i * n + j] = x;
             }
         }
-        scores.fill(0.0); // the pair kernel adds to them
-                          // SAFETY: the caller's contract.
+        // The pair kernel adds to the scores.
+        scores.fill(0.0);
+        // SAFETY: the caller's contract.
         unsafe { pairs::accumulate_bits(q, kt, (n, n), scores) }
     });
 }
