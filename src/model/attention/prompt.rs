@@ -70,8 +70,13 @@ pub fn products(a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
 /// mask hides.
 fn weights_row(isa: Isa, row: &mut [f32], scale: f32, hide: &[f32]) {
     let total = numerators_row(isa, row, scale, hide);
+    divide(row, total);
+}
+
+/// `row / total`, where some key is shown (`total > 0`); else the row stays zeros.
+fn divide(row: &mut [f32], total: f32) {
     if total > 0.0 {
-        row.iter_mut().for_each(|x| *x /= total); // else every key hidden: zeros
+        row.iter_mut().for_each(|x| *x /= total);
     }
 }
 

@@ -22,8 +22,9 @@ const SERIAL_BYTES: usize = 96 * 1024;
 /// Chunks per pool thread, here, in the prompts' products (`prefill`) and in the packed
 /// quantized ones: one contiguous run of rows each. Four (so that an idle thread could take
 /// over from one the OS had descheduled) cost each thread a start of its weight stream per
-/// chunk, and each product's weights outrun the caches: SmolLM2-135M decode (Zen 4, 2 threads, alternating rounds, medians)
-/// bf16 90.6 -> 102.4 tok/s (10 rounds), Q4_0 252 -> 280 (6), Q8_0 195 -> 206 (8), f32 +3%;
+/// chunk, and each product's weights outrun the caches: SmolLM2-135M decode (Zen 4, 2
+/// threads, alternating rounds, medians) bf16 90.6 -> 102.4 tok/s (10 rounds), Q4_0 252 ->
+/// 280 (6), Q8_0 195 -> 206 (8), f32 +3%;
 /// batches of 8 and 512-token prompts within noise, the 1.7B shape's larger products alike;
 /// in `prefill`, bf16 512-token prompts 1009 -> 1062 (6 rounds), f32 within noise.
 /// A thread the OS deschedules mid-chunk now holds up the product for longer.
