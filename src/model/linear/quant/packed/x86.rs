@@ -127,6 +127,14 @@ const RX: usize = 4;
 /// at 64 tokens: 117-120 / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
 const RX_SUB16_VNNI: usize = 8;
 
+/// Rows of x the 16-row tiles of the 32-weight formats (`avx512`'s) take at once, where x has
+/// that many; [`RX`] of what is left go through the same tile of 4 rows. The weights' loads
+/// and nibble masks of a block then serve 8 rows, in 16 accumulators of the 32 registers.
+/// SmolLM2-135M, Zen 5, 2 threads, alternating rounds, medians, tok/s, 4 rows / 8:
+/// `bench --batch 8` decode, Q4_0 file 1138 / 1252 (5 rounds), Q8_0 879 / 1045 (4), Q5_0 1063
+/// / 1199 (3); a 512-token Q4_0 prompt 1918 / 1981 (4).
+const RX_PAIR: usize = 8;
+
 /// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
 /// of x (as many as the tile takes), written to `y`. Called through a pointer, once per
 /// group (or pair) and its rows of x: the call is nothing beside a tile's work, and each tile
@@ -161,9 +169,9 @@ pub(super) struct Tiles {
     /// tiles leave (Q6_K's, Q3_K's and Q2_K's 8-row tiles leave up to 7) go through it, not
     /// through `one` four times, which would read the weights four times.
     mid: Option<Tile>,
-    /// Two adjacent groups against `RX` rows and against one: the 32-weight formats' where
-    /// the CPU has AVX-512 VNNI, else none.
-    pair: Option<(Tile, Tile)>,
+    /// Two adjacent groups against [`RX_PAIR`] rows, against `RX` and against one: the
+    /// 32-weight formats' where the CPU has AVX-512 VNNI, else none.
+    pair: Option<(Tile, Tile, Tile)>,
 }
 
 /// [`rows`] with the tiles given (the tests run each set the CPU has).
@@ -186,7 +194,8 @@ pub(super) unsafe fn rows_with(
     let mut g = g0;
     while g < g1 {
         let (rx, one, step, rows, mid) = match tiles.pair {
-            Some((rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX, None),
+            Some((rx, mid, one)) if g + 1 < g1 && m >= RX_PAIR => (rx, one, 2, RX_PAIR, Some(mid)),
+            Some((_, rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX, None),
             _ => (tiles.rx, tiles.one, 1, tiles.rows, tiles.mid),
         };
         let mut i = 0;
@@ -287,8 +296,12 @@ fn sub16<const BITS: u8>(dot: u8) -> Tiles {
 }
 
 /// A 32-weight format's 16-row tiles.
-fn pair<const F: u8>() -> (Tile, Tile) {
-    (super::avx512::tile::<F, RX>, super::avx512::tile::<F, 1>)
+fn pair<const F: u8>() -> (Tile, Tile, Tile) {
+    (
+        super::avx512::tile::<F, RX_PAIR>,
+        super::avx512::tile::<F, RX>,
+        super::avx512::tile::<F, 1>,
+    )
 }
 
 /// A 32-weight format's tiles in form `dot`.
