@@ -18,6 +18,7 @@ mod blocks;
 mod dtype;
 mod pages;
 mod pool;
+mod put;
 #[cfg(test)]
 mod tests;
 

@@ -3,6 +3,7 @@
 //! ([`super::KvCache::new`]) owns one of exactly its capacity.
 
 use super::blocks::{Blocks, Usage};
+use super::put::put;
 use super::{KvCache, BLOCK};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -28,6 +29,9 @@ impl LayerCache {
     /// Writes `a` and `b` (1, heads, T, width) at pool position `at`, in the cache's dtype:
     /// K and V, or for the latent cache the rows `[a | b]` (`b` may be 0 wide).
     pub(super) fn put(&self, a: &Tensor, b: &Tensor, at: usize) -> candle_core::Result<()> {
+        if let Some(done) = self.put_in_place(a, b, at) {
+            return done;
+        }
         match self {
             LayerCache::Kv { k, v } => {
                 k.slice_set(&a.to_dtype(k.dtype())?.contiguous()?, 2, at)?;
@@ -40,6 +44,22 @@ impl LayerCache {
                 };
                 rows.slice_set(&new.contiguous()?, 2, at)
             }
+        }
+    }
+
+    /// [`Self::put`] on the CPU in one pass a tensor ([`super::put`]), or `None` where that
+    /// does not apply.
+    fn put_in_place(&self, a: &Tensor, b: &Tensor, at: usize) -> Option<candle_core::Result<()>> {
+        match self {
+            LayerCache::Kv { k, v } => match put(k, a, at, 0)? {
+                Ok(()) => put(v, b, at, 0),
+                e => Some(e),
+            },
+            LayerCache::Latent { rows, .. } => match (put(rows, a, at, 0)?, b.elem_count()) {
+                (Ok(()), 0) => Some(Ok(())),
+                (Ok(()), _) => Some(put(rows, b, at, a.dim(3).ok()?)?),
+                (e, _) => Some(e),
+            },
         }
     }
 
