@@ -231,22 +231,30 @@ const PARALLEL_FROM: usize = 64 * 1024;
 /// `f(r, row)` on each row `r` of `d` values of `out`, in place: in the caller, or over
 /// the global [`Pool`] when there are many.
 pub fn each_row(out: &mut [f32], d: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-    if d == 0 {
+    each_rows(out, d, 1, |r, row| f(r, row))
+}
+
+/// `f(r, rows)` on each run of `n` rows of `d` values of `out` (fewer at the end) from row
+/// `r`, in place: in the caller, or over the global [`Pool`] when there are many.
+pub fn each_rows(out: &mut [f32], d: usize, n: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if d == 0 || n == 0 {
         return; // no rows, and no values to touch
     }
     if out.len() < PARALLEL_FROM {
-        out.chunks_exact_mut(d)
+        out.chunks_mut(n * d)
             .enumerate()
-            .for_each(|(r, row)| f(r, row));
+            .for_each(|(c, rows)| f(c * n, rows));
         return;
     }
-    let (rows, per) = (out.len() / d, PARALLEL_FROM / 4 / d + 1);
+    let rows = out.len() / d;
+    let per = (PARALLEL_FROM / 4 / d + 1).next_multiple_of(n);
     let shared = Disjoint(out.as_mut_ptr());
     Pool::global().run(rows.div_ceil(per), &|c| {
-        for r in c * per..((c + 1) * per).min(rows) {
+        for r in (c * per..((c + 1) * per).min(rows)).step_by(n) {
+            let len = n.min(rows - r) * d;
             // SAFETY: chunk c alone touches rows c·per.. of `out`, which holds rows · d values.
             f(r, unsafe {
-                std::slice::from_raw_parts_mut(shared.at(r * d), d)
+                std::slice::from_raw_parts_mut(shared.at(r * d), len)
             });
         }
     });
