@@ -27,22 +27,29 @@ impl QRows {
 
     fn quantize_span(x: &[f32], cols: usize, span: usize) -> Self {
         let mut quants = vec![0i8; x.len()];
+        // Σ q per half block; |Σ| <= 16 · 127: an i16.
+        let mut isums16 = vec![0i16; x.len() / (BLOCK / 2)];
         let mut scales = Vec::with_capacity(x.len() / BLOCK);
         let avx2 = crate::model::linear::simd::Isa::current().has_avx2();
-        for (x, q) in x.chunks_exact(span).zip(quants.chunks_exact_mut(span)) {
+        let spans = (x.chunks_exact(span))
+            .zip(quants.chunks_exact_mut(span))
+            .zip(isums16.chunks_exact_mut(span / (BLOCK / 2)));
+        for ((x, q), sums) in spans {
             let d = match avx2 {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `has_avx2` asked the CPU; span is whole blocks of 32.
-                true => unsafe { round_x_avx2(x, q) },
-                _ => round_x(x, q),
+                // SAFETY: `has_avx2` asked the CPU; span is whole blocks of 32, sums a half
+                // block's each.
+                true => unsafe { round_x_avx2(x, q, sums) },
+                _ => {
+                    let d = round_x(x, q);
+                    for (s, q) in sums.iter_mut().zip(q.chunks_exact(BLOCK / 2)) {
+                        *s = q.iter().map(|&v| v as i16).sum();
+                    }
+                    d
+                }
             };
             scales.extend(std::iter::repeat_n(d, span / BLOCK));
         }
-        // |Σ| <= 16 · 127: an i16.
-        let isums16: Vec<i16> = quants
-            .chunks_exact(BLOCK / 2)
-            .map(|q| q.iter().map(|&v| v as i16).sum::<i16>())
-            .collect();
         let sums = (isums16.chunks_exact(2).zip(&scales))
             .map(|(h, d)| d * (h[0] + h[1]) as f32)
             .collect();
@@ -96,15 +103,19 @@ fn round_x(x: &[f32], q: &mut [i8]) -> f32 {
 /// 32 scaled, clamped to ±127 and rounded half to even (`_mm256_round_ps`, as the adding and
 /// taking away of `round_x`), packed to bytes. 5-6x faster than the compiler's form of
 /// `round_x`, whose float-to-byte casts it does not vectorize; a batched step rounds every
-/// product's rows (8 rows of SmolLM2: 3.6 ms of a 33 ms step before).
+/// product's rows (8 rows of SmolLM2: 3.6 ms of a 33 ms step before). Each half block's
+/// Σ q goes to `sums`, from the bytes in registers: summed apart, in the caller's 128-bit
+/// code, they took as long as the rounding (SmolLM2-135M Q4_0, `bench --batch 8`, Zen 5:
+/// the roundings 8.9% of a step).
 ///
 /// # Safety
-/// AVX2; `x.len()` is a multiple of 32 and `q` as long.
+/// AVX2; `x.len()` is a multiple of 32, `q` as long and `sums` a sixteenth.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn round_x_avx2(x: &[f32], q: &mut [i8]) -> f32 {
+unsafe fn round_x_avx2(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
     use std::arch::x86_64::*;
     debug_assert!(x.len().is_multiple_of(BLOCK) && q.len() == x.len());
+    debug_assert!(sums.len() == x.len() / (BLOCK / 2));
     let sign = _mm256_set1_ps(-0.0);
     let mut top = _mm256_setzero_ps();
     for c in x.chunks_exact(8) {
@@ -120,7 +131,11 @@ unsafe fn round_x_avx2(x: &[f32], q: &mut [i8]) -> f32 {
     let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
     // packs interleaves 128-bit lanes; this puts the 8 groups of 4 bytes back in order.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (c, out) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
+    let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+    let blocks = (x.chunks_exact(BLOCK))
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(sums.chunks_exact_mut(2));
+    for ((c, out), sums) in blocks {
         // SAFETY (the four): values 8i..8i + 8 of the block's 32.
         let [r0, r1, r2, r3] = [0, 8, 16, 24].map(|i| c.as_ptr().wrapping_add(i));
         let (a, b) = unsafe {
@@ -132,6 +147,12 @@ unsafe fn round_x_avx2(x: &[f32], q: &mut [i8]) -> f32 {
         let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
         // SAFETY: 32 bytes.
         unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, bytes) };
+        // Each 128-bit lane is a half block: its bytes summed by 2, by 4, then across it.
+        let fours = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, bytes), ones16);
+        let twice = _mm256_hadd_epi32(fours, fours);
+        let lanes = _mm256_hadd_epi32(twice, twice);
+        sums[0] = _mm256_extract_epi32::<0>(lanes) as i16;
+        sums[1] = _mm256_extract_epi32::<4>(lanes) as i16;
     }
     d
 }
@@ -321,11 +342,16 @@ mod tests {
         );
         for x in rows {
             let (mut a, mut b) = (vec![0i8; x.len()], vec![0i8; x.len()]);
+            let mut sums = vec![0i16; x.len() / 16];
             let da = round_x(&x, &mut a);
-            // SAFETY: the CPU has AVX2; x is whole blocks.
-            let db = unsafe { round_x_avx2(&x, &mut b) };
+            // SAFETY: the CPU has AVX2; x is whole blocks, sums one a half block.
+            let db = unsafe { round_x_avx2(&x, &mut b, &mut sums) };
             assert_eq!(da.to_bits(), db.to_bits());
             assert_eq!(a, b, "{x:?}");
+            let want: Vec<i16> = (a.chunks_exact(16))
+                .map(|h| h.iter().map(|&v| v as i16).sum())
+                .collect();
+            assert_eq!(sums, want, "half-block sums of {x:?}");
         }
     }
 }
