@@ -15,7 +15,7 @@ mod quantizer;
 pub mod simd;
 
 use candle_core::quantized::QTensor;
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{CpuStorage, DType, Module, Result, Storage, Tensor, D};
 use candle_nn::VarBuilder;
 use quant::QWeight;
 pub use quantizer::{is_head, our_format, quantize_all, stored_weight, Blocks, Quantizer};
@@ -256,9 +256,11 @@ impl Module for Linear {
         let y = match &self.weight {
             Weight::Dense(w) => matvec(x, w)?,
             Weight::Blocks(q) => {
-                let xs = blocks_x(x, q)?;
-                let mut y = vec![0f32; xs.len() / q.cols() * q.rows()];
-                blocks_product(q, &xs, &mut y);
+                let y = with_blocks_x(x, q, |xs| {
+                    let mut y = vec![0f32; xs.len() / q.cols() * q.rows()];
+                    blocks_product(q, xs, &mut y);
+                    y
+                })?;
                 blocks_y(y, x, q)?
             }
             // candle's kernels are given (rows, K) in f32 on every device: its CPU kernels
@@ -299,8 +301,8 @@ impl Linear {
     }
 }
 
-/// x's rows, in f32, for a product with block weights `q`.
-fn blocks_x(x: &Tensor, q: &QWeight) -> Result<Vec<f32>> {
+/// `f` of x's rows in f32 (a product with block weights `q`).
+fn with_blocks_x<R>(x: &Tensor, q: &QWeight, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     if x.dims().last() != Some(&q.cols()) {
         return Err(candle_core::Error::Msg(format!(
             "quantized linear: x {:?} is not rows of width {}",
@@ -308,7 +310,20 @@ fn blocks_x(x: &Tensor, q: &QWeight) -> Result<Vec<f32>> {
             q.cols()
         )));
     }
-    x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    // Read in place where x is contiguous f32 on the CPU (a batched step's every product
+    // copied its x: 4 copies a layer); a read lock, and nothing writes x meanwhile.
+    if x.dtype() == DType::F32 {
+        let (storage, layout) = x.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&v[a..b]));
+        }
+    }
+    Ok(f(&x
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?))
 }
 
 /// `y`, the product of x's rows with block weights `q`, as a tensor shaped and typed as x.
@@ -348,13 +363,15 @@ fn products_of(x: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>> {
     let Some(qs) = together else {
         return layers.iter().map(|l| l.forward(x)).collect();
     };
-    let xs = blocks_x(x, qs[0])?;
-    let mut ys: Vec<Vec<f32>> = qs.iter().map(|q| vec![0f32; m * q.rows()]).collect();
-    QWeight::products(
-        &qs,
-        &xs,
-        &mut ys.iter_mut().map(|y| &mut y[..]).collect::<Vec<_>>(),
-    );
+    let ys = with_blocks_x(x, qs[0], |xs| {
+        let mut ys: Vec<Vec<f32>> = qs.iter().map(|q| vec![0f32; m * q.rows()]).collect();
+        QWeight::products(
+            &qs,
+            xs,
+            &mut ys.iter_mut().map(|y| &mut y[..]).collect::<Vec<_>>(),
+        );
+        ys
+    })?;
     (ys.into_iter().zip(qs).zip(layers))
         .map(|((y, q), l)| l.add_bias(blocks_y(y, x, q)?))
         .collect()
