@@ -253,13 +253,15 @@ pub fn each_rows(out: &mut [f32], d: usize, n: usize, f: impl Fn(usize, &mut [f3
     if d == 0 || n == 0 {
         return; // no rows, and no values to touch
     }
+    let rows = out.len() / d;
     if out.len() < PARALLEL_FROM {
-        out.chunks_mut(n * d)
+        // Whole rows only, as in the pool's share below.
+        out[..rows * d]
+            .chunks_mut(n * d)
             .enumerate()
             .for_each(|(c, rows)| f(c * n, rows));
         return;
     }
-    let rows = out.len() / d;
     let per = (PARALLEL_FROM / 4 / d + 1).next_multiple_of(n);
     let shared = Disjoint(out.as_mut_ptr());
     Pool::global().run(rows.div_ceil(per), &|c| {
