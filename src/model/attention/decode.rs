@@ -231,6 +231,7 @@ fn block<T: Cached>(
 /// The bytes of a block's values [`prefetch_values`] asks for: the start of the stream,
 /// after which the hardware prefetcher follows it. All of a long block's values (up to 256
 /// KiB) at once evicted its keys: a 4000-token bf16 decode 110 -> 105 tok/s.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_VALUES: usize = 16 * 1024;
 
 /// Asks for the first lines of `v` now, so that they arrive while the scores are computed: a
