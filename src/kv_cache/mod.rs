@@ -10,9 +10,10 @@
 //! another sequence cached ([`blocks`]). Reading a paged sequence's positions, the fused
 //! decode op follows the table ([`Pages`]); everything else gathers them first.
 //!
-//! Every entry is allocated once and written in place with `slice_set`: no `Tensor::cat` per
-//! step. (candle-nn's `kv_cache::Cache` allocates on first use and grows by concatenation
-//! past its capacity; we want a hard capacity and an error.)
+//! Every entry is allocated once and written in place (on the CPU in one pass a tensor,
+//! `put.rs`; elsewhere with `slice_set`): no `Tensor::cat` per step. (candle-nn's
+//! `kv_cache::Cache` allocates on first use and grows by concatenation past its capacity; we
+//! want a hard capacity and an error.)
 
 mod blocks;
 mod dtype;

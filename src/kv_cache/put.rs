@@ -8,14 +8,16 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Error, InplaceOp2, Layout, Result, Tensor};
 use half::{bf16, f16};
 
-/// Writes `src` (1, heads, T, w), any strides, f32/bf16/f16, into `dst` (1, heads, P, W),
-/// contiguous, at positions `at..at + T` and columns `col..col + w`, in `dst`'s dtype. `None`
-/// where it does not apply (off the CPU, other dtypes): the caller writes candle's way.
+/// Writes `src` (1, heads, T, w), f32/bf16/f16, each row contiguous (any strides between
+/// them), into `dst` (1, heads, P, W), contiguous, at positions `at..at + T` and columns
+/// `col..col + w`, in `dst`'s dtype. `None` where it does not apply (off the CPU, other
+/// dtypes, strided rows): the caller writes candle's way.
 pub(super) fn put(dst: &Tensor, src: &Tensor, at: usize, col: usize) -> Option<Result<()>> {
     let fits = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
     let (d, s) = (dst.dtype(), src.dtype());
     let pair = fits(dst) && fits(src) && (d == s || d == DType::F32 || s == DType::F32);
-    if !dst.device().is_cpu() || !dst.is_contiguous() || !pair {
+    let rows = src.stride().last() == Some(&1);
+    if !dst.device().is_cpu() || !dst.is_contiguous() || !pair || !rows {
         return None;
     }
     Some(dst.inplace_op2(src, &Put { at, col }))
@@ -51,21 +53,17 @@ impl InplaceOp2 for Put {
             let to = dl.start_offset() + (i * p + self.at + j) * w + self.col;
             (from, to)
         });
-        let step = ss[3];
+        if ss[3] != 1 {
+            return Err(Error::Msg("kv-put: rows with strided values".into()));
+        }
         match (d, s) {
-            (CpuStorage::F32(d), CpuStorage::F32(s)) => convert(d, s, rows, (sw, step), |v| v),
-            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => convert(d, s, rows, (sw, step), |v| v),
-            (CpuStorage::F16(d), CpuStorage::F16(s)) => convert(d, s, rows, (sw, step), |v| v),
-            (CpuStorage::BF16(d), CpuStorage::F32(s)) => convert(d, s, rows, (sw, step), to_bf16),
-            (CpuStorage::F16(d), CpuStorage::F32(s)) => {
-                convert(d, s, rows, (sw, step), f16::from_f32)
-            }
-            (CpuStorage::F32(d), CpuStorage::BF16(s)) => {
-                convert(d, s, rows, (sw, step), bf16::to_f32)
-            }
-            (CpuStorage::F32(d), CpuStorage::F16(s)) => {
-                convert(d, s, rows, (sw, step), f16::to_f32)
-            }
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => convert(d, s, rows, sw, |v| v),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => convert(d, s, rows, sw, |v| v),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => convert(d, s, rows, sw, |v| v),
+            (CpuStorage::BF16(d), CpuStorage::F32(s)) => convert(d, s, rows, sw, to_bf16),
+            (CpuStorage::F16(d), CpuStorage::F32(s)) => convert(d, s, rows, sw, f16::from_f32),
+            (CpuStorage::F32(d), CpuStorage::BF16(s)) => convert(d, s, rows, sw, bf16::to_f32),
+            (CpuStorage::F32(d), CpuStorage::F16(s)) => convert(d, s, rows, sw, f16::to_f32),
             (d, s) => {
                 return Err(Error::Msg(format!(
                     "kv-put: {:?} into {:?}",
@@ -78,21 +76,17 @@ impl InplaceOp2 for Put {
     }
 }
 
-/// `d[to + c] = f(s[from + c · step])` for each row's `w` columns; a loop over slices where
-/// src's rows are contiguous (always, as the layers write), which the compiler vectorizes.
+/// `d[to + c] = f(s[from + c])` for each row's `w` columns: a loop over slices, which the
+/// compiler vectorizes.
 fn convert<S: Copy, D>(
     d: &mut [D],
     s: &[S],
     rows: impl Iterator<Item = (usize, usize)>,
-    (w, step): (usize, usize),
+    w: usize,
     f: impl Fn(S) -> D,
 ) {
     for (from, to) in rows {
-        let out = &mut d[to..to + w];
-        match step {
-            1 => (out.iter_mut().zip(&s[from..from + w])).for_each(|(o, v)| *o = f(*v)),
-            _ => (out.iter_mut().enumerate()).for_each(|(c, o)| *o = f(s[from + c * step])),
-        }
+        (d[to..to + w].iter_mut().zip(&s[from..from + w])).for_each(|(o, v)| *o = f(*v));
     }
 }
 
@@ -190,9 +184,11 @@ mod tests {
                 assert_eq!(diff, 0.0, "{from:?} into {cache:?}");
             }
         }
-        // A write past the cache's end is an error, not a panic.
         let cache = Tensor::zeros((1, 3, 8, 16), DType::BF16, &dev)?;
         let src = Tensor::zeros((1, 3, 2, 16), DType::F32, &dev)?;
+        // Rows with strided values are left to candle's write.
+        assert!(put(&cache, &src.transpose(2, 3)?, 0, 0).is_none());
+        // A write past the cache's end is an error, not a panic.
         assert!(put(&cache, &src, 7, 0).expect("taken").is_err());
         Ok(())
     }

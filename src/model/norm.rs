@@ -5,7 +5,7 @@
 //! needs. A 30-layer model's decode step makes 61 norms; a batched step 60 rotations more: on
 //! the 2-core AVX2 host, 8 sequences of SmolLM2-135M Q4_0 spent 2.4 ms of a 36 ms step in
 //! rotations alone. The work is small (a row of a few hundred values), so it runs in the
-//! caller, or over our pool for a prompt's many rows ([`each_row`]). Other dtypes and
+//! caller, or over our pool for a prompt's many rows ([`each_rows`]). Other dtypes and
 //! devices keep candle-nn's kernels.
 
 use super::cpu::f32_rows;
