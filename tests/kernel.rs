@@ -601,6 +601,19 @@ fn probe_decode_attention() -> candle_core::Result<()> {
         time_layers(&name, &layers(r)?, s * 9 * (2 * r + 64))?;
     }
     time_layers("gqa 9/3 at 6000, 30 layers", &layers(0)?, s * 9 * 128)?;
+    // A served batch: 8 sequences' new tokens in one op, each over its own short cache, as a
+    // batched step of 8 streams early in their answers reads them.
+    for s in [32, 100, 300] {
+        let q = Tensor::randn(0f32, 1.0, (8, 9, 1, 64), &dev)?;
+        let (k, v) = (bf16((8, 3, s, 64))?, bf16((8, 3, s, 64))?);
+        time(
+            &format!("gqa 9/3, 8 sequences at {s}"),
+            &q,
+            &k,
+            &v,
+            8 * s * 9 * 128,
+        )?;
+    }
     for s in [2000, 6000] {
         let q = Tensor::randn(0f32, 1.0, (1, 9, 1, 128), &dev)?;
         let rows = bf16((1, 1, s, 128))?;
