@@ -2,7 +2,7 @@
 //! (`tiny_decoder::serve`), which runs until SIGINT or SIGTERM.
 
 use super::args::ServeArgs;
-use super::{chat_template, load};
+use super::{chat_template, conversion_line, load_reported};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::time::Duration;
@@ -38,7 +38,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     };
     let request_timeout = seconds("--request-timeout", a.request_timeout)?;
     let name = a.model.as_deref().unwrap_or(bundled::DEFAULT);
-    let mut loaded = load(name, &a.placement)?;
+    // Not `load`: the memory moves into huge pages once the KV pool is in it too.
+    let (mut loaded, report) = load_reported(name, &a.placement)?;
+    if let Some(r) = report {
+        eprintln!("{}", conversion_line(&r));
+    }
     let max_context = loaded.model.config().max_position_embeddings;
     let context = match a.context {
         Some(c) if c == 0 || c > max_context => {
@@ -92,6 +96,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         api_key,
         request_timeout,
         limits,
+        allocated: super::huge_pages::in_background,
     };
     Ok(serve::run(model, opts)?)
 }

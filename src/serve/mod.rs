@@ -59,6 +59,10 @@ pub struct Options {
     pub request_timeout: Duration,
     /// Connections, header and body timeouts, and the drain at shutdown.
     pub limits: Limits,
+    /// Called once the KV pool is allocated and written (resident), before the first request
+    /// is taken: the command line moves the process's memory into 2 MiB pages there, the
+    /// pool's with the weights' (`cli/huge_pages.rs`).
+    pub allocated: fn(),
 }
 
 /// The model and what goes with it.
@@ -90,6 +94,7 @@ pub fn run(m: Model, opts: Options) -> Result<()> {
             opts.context
         )));
     }
+    (opts.allocated)();
     let bytes = pool.bytes();
     eprintln!(
         "serve: {} | up to {} sequences at once, {} tokens each (prompt + completion) | KV \
