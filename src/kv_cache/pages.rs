@@ -165,6 +165,77 @@ impl<'a> LayerView<'a> {
         }
     }
 
+    /// [`Self::write_held`] for each sequence of a step: `views[i]` takes tokens
+    /// `start..start + len` of `a` and `b` (1, heads, N, width) after position `pos`, for
+    /// `spans[i]` = (start, len, pos). Where every view is a block table into one pool's layer
+    /// of K and V on the CPU and the spans are `a`'s tokens in order, one write a tensor for
+    /// them all ([`super::put::put_at`]) instead of two a sequence, each with its views and
+    /// runs: SmolLM2-135M Q4_0 served to 8 streams (Zen 5), 7.4-7.7 -> 4.3 us a layer.
+    pub fn write_held_all(
+        views: &[LayerView<'a>],
+        a: &Tensor,
+        b: &Tensor,
+        spans: &[(usize, usize, usize)],
+    ) -> Result<Vec<Held<'a>>> {
+        if let Some(helds) = Self::write_pooled(views, a, b, spans) {
+            return helds;
+        }
+        (views.iter().zip(spans))
+            .map(|(view, &(start, len, pos))| {
+                view.write_held(&a.narrow(2, start, len)?, &b.narrow(2, start, len)?, pos)
+            })
+            .collect()
+    }
+
+    /// [`Self::write_held_all`]'s one write a tensor, or `None` where it does not apply.
+    fn write_pooled(
+        views: &[LayerView<'a>],
+        a: &Tensor,
+        b: &Tensor,
+        spans: &[(usize, usize, usize)],
+    ) -> Option<Result<Vec<Held<'a>>>> {
+        let first = views.first()?;
+        let LayerCache::Kv { k, v } = first.layer else {
+            return None;
+        };
+        let one_pool = views
+            .iter()
+            .all(|view| std::ptr::eq(view.layer, first.layer) && view.pages.table().is_some());
+        let in_order = (spans.iter().scan(0, |next, &(start, len, _)| {
+            let at = *next == start;
+            *next = start + len;
+            Some(at)
+        }))
+        .all(|at| at);
+        if !one_pool || !in_order || views.len() != spans.len() || !k.device().is_cpu() {
+            return None;
+        }
+        let mut positions = Vec::new();
+        for (view, &(_, len, pos)) in views.iter().zip(spans) {
+            for (at, n) in view.pages.runs(pos, pos + len) {
+                positions.extend(at..at + n);
+            }
+        }
+        if positions.len() != a.dim(2).ok()? {
+            return None;
+        }
+        // The values' write applies where the keys' does (the same dtypes, rows contiguous);
+        // were it refused, the views' own writes below would write both again.
+        if let Err(e) = super::put::put_at(k, a, &positions, 0)? {
+            return Some(Err(e));
+        }
+        if let Err(e) = super::put::put_at(v, b, &positions, 0)? {
+            return Some(Err(e));
+        }
+        let held = |view: &LayerView<'a>| Held {
+            k: k.clone(),
+            v: v.clone(),
+            pages: Some(view.pages),
+            rank: None,
+        };
+        Some(Ok(views.iter().map(held).collect()))
+    }
+
     /// [`LayerView::write`], returning what it holds for the decode op to read in place:
     /// K and V, or for the latent cache the rows `[c_kv | k_pe]` as keys and their first
     /// `rank` columns as values.

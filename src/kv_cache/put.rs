@@ -13,6 +13,18 @@ use half::{bf16, f16};
 /// `col..col + w`, in `dst`'s dtype. `None` where it does not apply (off the CPU, other
 /// dtypes, strided rows): the caller writes candle's way.
 pub(super) fn put(dst: &Tensor, src: &Tensor, at: usize, col: usize) -> Option<Result<()>> {
+    let t = src.dims().get(2).copied().unwrap_or(0);
+    put_at(dst, src, &(at..at + t).collect::<Vec<_>>(), col)
+}
+
+/// [`put`] with token j of `src` at position `positions[j]` (one entry per token): a batched
+/// step's sequences, each at its own positions of one pool.
+pub(super) fn put_at(
+    dst: &Tensor,
+    src: &Tensor,
+    positions: &[usize],
+    col: usize,
+) -> Option<Result<()>> {
     let fits = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
     let (d, s) = (dst.dtype(), src.dtype());
     let pair = fits(dst) && fits(src) && (d == s || d == DType::F32 || s == DType::F32);
@@ -20,15 +32,15 @@ pub(super) fn put(dst: &Tensor, src: &Tensor, at: usize, col: usize) -> Option<R
     if !dst.device().is_cpu() || !dst.is_contiguous() || !pair || !rows {
         return None;
     }
-    Some(dst.inplace_op2(src, &Put { at, col }))
+    Some(dst.inplace_op2(src, &Put { positions, col }))
 }
 
-struct Put {
-    at: usize,
+struct Put<'a> {
+    positions: &'a [usize],
     col: usize,
 }
 
-impl InplaceOp2 for Put {
+impl InplaceOp2 for Put<'_> {
     fn name(&self) -> &'static str {
         "kv-put"
     }
@@ -36,21 +48,24 @@ impl InplaceOp2 for Put {
     fn cpu_fwd(&self, d: &mut CpuStorage, dl: &Layout, s: &CpuStorage, sl: &Layout) -> Result<()> {
         let (b, h, p, w) = dl.shape().dims4()?;
         let (sb, sh, t, sw) = sl.shape().dims4()?;
-        if b != 1 || sb != 1 || sh != h || self.at + t > p || self.col + sw > w {
+        let inside = self.positions.len() == t && self.positions.iter().all(|&at| at < p);
+        if b != 1 || sb != 1 || sh != h || !inside || self.col + sw > w {
             return Err(Error::Msg(format!(
-                "kv-put: {:?} at position {} column {} does not fit {:?}",
+                "kv-put: {:?} at positions {:?} column {} does not fit {:?}",
                 sl.dims(),
-                self.at,
+                self.positions.first()..self.positions.last(),
                 self.col,
                 dl.dims()
             )));
         }
         let (ss, o) = (sl.stride(), sl.start_offset());
         // Row (head i, token j) of src from `from`, to `to` in dst.
-        let rows = (0..h).flat_map(|i| (0..t).map(move |j| (i, j)));
-        let rows = rows.map(|(i, j)| {
+        let positions = self.positions;
+        let rows =
+            (0..h).flat_map(|i| positions.iter().enumerate().map(move |(j, &at)| (i, j, at)));
+        let rows = rows.map(|(i, j, at)| {
             let from = o + i * ss[1] + j * ss[2];
-            let to = dl.start_offset() + (i * p + self.at + j) * w + self.col;
+            let to = dl.start_offset() + (i * p + at) * w + self.col;
             (from, to)
         });
         if ss[3] != 1 {

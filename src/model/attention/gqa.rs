@@ -97,9 +97,8 @@ impl GqaAttention {
 
         // 4. Per sequence: write its tokens into its cache; attend over all it holds, the
         //    single new tokens of a batched step together
-        let helds = (spans.iter().zip(caches))
-            .map(|(span, cache)| cache.write_held(&span.rows(&k, 2)?, &span.rows(&v, 2)?, span.pos))
-            .collect::<Result<Vec<_>>>()?;
+        let at: Vec<_> = spans.iter().map(|s| (s.start, s.len, s.pos)).collect();
+        let helds = LayerView::write_held_all(caches, &k, &v, &at)?;
         let y = sdpa_spans(&q, &helds, spans, 1.0 / (d as f64).sqrt())?; // (1, N, H·D)
 
         // 5. Heads merged, output projection over every token
