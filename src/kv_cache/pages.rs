@@ -169,7 +169,7 @@ impl<'a> LayerView<'a> {
     /// `start..start + len` of `a` and `b` (1, heads, N, width) after position `pos`, for
     /// `spans[i]` = (start, len, pos). Where every view is a block table into one pool's layer
     /// of K and V on the CPU and the spans are `a`'s tokens in order, one write a tensor for
-    /// them all ([`super::put::put_at`]) instead of two a sequence, each with its views and
+    /// them all (`put_at`, in `put.rs`) instead of two a sequence, each with its views and
     /// runs: SmolLM2-135M Q4_0 served to 8 streams (Zen 5), 7.4-7.7 -> 4.3 us a layer.
     pub fn write_held_all(
         views: &[LayerView<'a>],
