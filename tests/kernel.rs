@@ -550,7 +550,8 @@ fn probe_block_decode() -> candle_core::Result<()> {
 /// form (nine heads over one latent row of 128, values its first 64) against the original's
 /// GQA (nine heads, three K/V heads of 64) and MQA; best of 30 × 10 calls per layer, and the
 /// multiply-adds per second that implies. Then, as a model reads them, 30 layers' caches in
-/// turn (SmolLM2's depth: the caches no longer fit the CPU's caches), at 6000 positions.
+/// turn (SmolLM2's depth: the caches no longer fit the CPU's caches), at 6000 positions, and
+/// MLA's first layer alone (its cache in the CPU's caches: what the arithmetic costs).
 /// `cargo test --release --test kernel probe_decode_attention -- --ignored --nocapture`
 #[test]
 #[ignore]
@@ -598,7 +599,10 @@ fn probe_decode_attention() -> candle_core::Result<()> {
     };
     for r in [64, 192] {
         let name = format!("mla:{r},rope=64 at 6000, 30 layers");
-        time_layers(&name, &layers(r)?, s * 9 * (2 * r + 64))?;
+        let all = layers(r)?;
+        time_layers(&name, &all, s * 9 * (2 * r + 64))?;
+        let name = format!("mla:{r},rope=64 at 6000, one layer");
+        time_layers(&name, &all[..1], s * 9 * (2 * r + 64))?;
     }
     time_layers("gqa 9/3 at 6000, 30 layers", &layers(0)?, s * 9 * 128)?;
     // A served batch: 8 sequences' new tokens in one op, each over its own short cache, as a
@@ -848,3 +852,4 @@ fn probe_packed_decode() -> candle_core::Result<()> {
     }
     Ok(())
 }
+
