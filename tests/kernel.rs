@@ -852,4 +852,3 @@ fn probe_packed_decode() -> candle_core::Result<()> {
     }
     Ok(())
 }
-

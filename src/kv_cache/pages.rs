@@ -167,8 +167,8 @@ impl<'a> LayerView<'a> {
 
     /// [`Self::write_held`] for each sequence of a step: `views[i]` takes tokens
     /// `start..start + len` of `a` and `b` (1, heads, N, width) after position `pos`, for
-    /// `spans[i]` = (start, len, pos). Where every view is a block table into one pool's layer
-    /// of K and V on the CPU and the spans are `a`'s tokens in order, one write a tensor for
+    /// `spans[i]` = (start, len, pos). Where every view is into one pool's layer of K and V on
+    /// the CPU and the spans are `a`'s tokens in order, one write a tensor for
     /// them all (`put_at`, in `put.rs`) instead of two a sequence, each with its views and
     /// runs: SmolLM2-135M Q4_0 served to 8 streams (Zen 5), 7.4-7.7 -> 4.3 us a layer.
     pub fn write_held_all(
@@ -200,7 +200,7 @@ impl<'a> LayerView<'a> {
         };
         let one_pool = views
             .iter()
-            .all(|view| std::ptr::eq(view.layer, first.layer) && view.pages.table().is_some());
+            .all(|view| std::ptr::eq(view.layer, first.layer));
         let in_order = (spans.iter().scan(0, |next, &(start, len, _)| {
             let at = *next == start;
             *next = start + len;
@@ -227,13 +227,7 @@ impl<'a> LayerView<'a> {
         if let Err(e) = super::put::put_at(v, b, &positions, 0)? {
             return Some(Err(e));
         }
-        let held = |view: &LayerView<'a>| Held {
-            k: k.clone(),
-            v: v.clone(),
-            pages: Some(view.pages),
-            rank: None,
-        };
-        Some(Ok(views.iter().map(held).collect()))
+        Some(views.iter().map(LayerView::held).collect())
     }
 
     /// [`LayerView::write`], returning what it holds for the decode op to read in place:
@@ -247,6 +241,11 @@ impl<'a> LayerView<'a> {
             self.layer.put(&a, &b, at)?;
             done += n;
         }
+        self.held()
+    }
+
+    /// What the view holds after a write, as [`Self::write_held`] returns it.
+    fn held(&self) -> Result<Held<'a>> {
         let [k, v] = self.layer.tensors();
         let rank = match self.layer {
             LayerCache::Latent { rank, .. } => Some(*rank),

@@ -68,6 +68,54 @@ fn a_block_table_places_and_gathers_every_position() {
     );
 }
 
+/// A step's sequences written into one pool in one write a tensor (`write_held_all`) land
+/// where each one's own write puts them, through tables that interleave their blocks and
+/// with a sequence crossing into its next block; spans out of order take each one's write.
+#[test]
+fn one_write_for_a_steps_sequences_equals_a_write_each() {
+    // Tokens: sequence 0 two (positions BLOCK - 1, BLOCK), sequence 1 one (position 3).
+    let tables = [Pages::new(&[2, 0], BLOCK + 1), Pages::new(&[1], 4)];
+    let spans = [(0, 2, BLOCK - 1), (2, 1, 3)];
+    let step: Vec<f32> = (0..3 * 2 * 3).map(|i| i as f32 + 1.0).collect();
+    let a = Tensor::from_vec(step, (1, 3, 2, 3), &Device::Cpu)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap(); // (1, 2 heads, 3 tokens, 3): rows contiguous, strided between them
+    let b = (a.clone() * -1.0).unwrap();
+    let write = |together: bool, order: [usize; 2]| {
+        let layer = kv(3 * BLOCK);
+        let views: Vec<LayerView> = order
+            .iter()
+            .map(|&i| LayerView::new(&layer, &tables[i]))
+            .collect();
+        let at: Vec<_> = order.iter().map(|&i| spans[i]).collect();
+        match together {
+            true => drop(LayerView::write_held_all(&views, &a, &b, &at).unwrap()),
+            false => {
+                for (view, &(start, len, pos)) in views.iter().zip(&at) {
+                    let (x, y) = (
+                        a.narrow(2, start, len).unwrap(),
+                        b.narrow(2, start, len).unwrap(),
+                    );
+                    view.write_held(&x, &y, pos).unwrap();
+                }
+            }
+        }
+        let LayerCache::Kv { k, v } = &layer else {
+            unreachable!()
+        };
+        (
+            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        )
+    };
+    let each = write(false, [0, 1]);
+    assert!(each.0.iter().any(|&x| x != 0.0), "something was written");
+    assert_eq!(write(true, [0, 1]), each);
+    // Out of order (sequence 1's span first): not one write, the same cache.
+    assert_eq!(write(true, [1, 0]), each);
+}
+
 /// The cache keeps the weights' dtype, except block formats on CPU (bf16); a GGUF of floats
 /// (its label F32 or F16) is not blocks; `--kv-dtype` names f32 or bf16, nothing else.
 #[test]
