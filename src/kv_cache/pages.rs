@@ -167,10 +167,10 @@ impl<'a> LayerView<'a> {
 
     /// [`Self::write_held`] for each sequence of a step: `views[i]` takes tokens
     /// `start..start + len` of `a` and `b` (1, heads, N, width) after position `pos`, for
-    /// `spans[i]` = (start, len, pos). Where every view is into one pool's layer of K and V on
-    /// the CPU and the spans are `a`'s tokens in order, one write a tensor for
-    /// them all (`put_at`, in `put.rs`) instead of two a sequence, each with its views and
-    /// runs: SmolLM2-135M Q4_0 served to 8 streams (Zen 5), 7.4-7.7 -> 4.3 us a layer.
+    /// `spans[i]` = (start, len, pos). Where every view is into one pool's layer (K and V, or
+    /// MLA's latent rows) on the CPU and the spans are `a`'s tokens in order, one write a
+    /// tensor for them all (`put.rs`) instead of one or two a sequence, each with its views
+    /// and runs: SmolLM2-135M Q4_0 served to 8 streams (Zen 5), 7.4-7.7 -> 4.3 us a layer.
     pub fn write_held_all(
         views: &[LayerView<'a>],
         a: &Tensor,
@@ -194,20 +194,15 @@ impl<'a> LayerView<'a> {
         b: &Tensor,
         spans: &[(usize, usize, usize)],
     ) -> Option<Result<Vec<Held<'a>>>> {
-        let first = views.first()?;
-        let LayerCache::Kv { k, v } = first.layer else {
-            return None;
-        };
-        let one_pool = views
-            .iter()
-            .all(|view| std::ptr::eq(view.layer, first.layer));
+        let layer = views.first()?.layer;
+        let one_pool = views.iter().all(|view| std::ptr::eq(view.layer, layer));
         let in_order = (spans.iter().scan(0, |next, &(start, len, _)| {
             let at = *next == start;
             *next = start + len;
             Some(at)
         }))
         .all(|at| at);
-        if !one_pool || !in_order || views.len() != spans.len() || !k.device().is_cpu() {
+        if !one_pool || !in_order || views.len() != spans.len() {
             return None;
         }
         let mut positions = Vec::new();
@@ -219,12 +214,7 @@ impl<'a> LayerView<'a> {
         if positions.len() != a.dim(2).ok()? {
             return None;
         }
-        // The values' write applies where the keys' does (the same dtypes, rows contiguous);
-        // were it refused, the views' own writes below would write both again.
-        if let Err(e) = super::put::put_at(k, a, &positions, 0)? {
-            return Some(Err(e));
-        }
-        if let Err(e) = super::put::put_at(v, b, &positions, 0)? {
+        if let Err(e) = layer.put_in_place(a, b, &positions)? {
             return Some(Err(e));
         }
         Some(views.iter().map(LayerView::held).collect())

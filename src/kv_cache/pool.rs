@@ -29,7 +29,8 @@ impl LayerCache {
     /// Writes `a` and `b` (1, heads, T, width) at pool position `at`, in the cache's dtype:
     /// K and V, or for the latent cache the rows `[a | b]` (`b` may be 0 wide).
     pub(super) fn put(&self, a: &Tensor, b: &Tensor, at: usize) -> candle_core::Result<()> {
-        if let Some(done) = self.put_in_place(a, b, at) {
+        let t = a.dim(2)?;
+        if let Some(done) = self.put_in_place(a, b, &(at..at + t).collect::<Vec<_>>()) {
             return done;
         }
         match self {
@@ -47,19 +48,28 @@ impl LayerCache {
         }
     }
 
-    /// [`Self::put`] on the CPU in one pass a tensor ([`super::put`]), or `None` where that
-    /// does not apply.
-    fn put_in_place(&self, a: &Tensor, b: &Tensor, at: usize) -> Option<candle_core::Result<()>> {
+    /// [`Self::put`] on the CPU in one pass a tensor ([`super::put`]), token j of `a` and `b`
+    /// at pool position `positions[j]` (a step's sequences each at its own, or one run), or
+    /// `None` where that does not apply (then nothing, or what the caller writes again, was
+    /// written).
+    pub(super) fn put_in_place(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        positions: &[usize],
+    ) -> Option<candle_core::Result<()>> {
         match self {
-            LayerCache::Kv { k, v } => match put(k, a, at, 0)? {
-                Ok(()) => put(v, b, at, 0),
+            LayerCache::Kv { k, v } => match put(k, a, positions, 0)? {
+                Ok(()) => put(v, b, positions, 0),
                 e => Some(e),
             },
-            LayerCache::Latent { rows, .. } => match (put(rows, a, at, 0)?, b.elem_count()) {
-                (Ok(()), 0) => Some(Ok(())),
-                (Ok(()), _) => Some(put(rows, b, at, a.dim(3).ok()?)?),
-                (e, _) => Some(e),
-            },
+            LayerCache::Latent { rows, .. } => {
+                match (put(rows, a, positions, 0)?, b.elem_count()) {
+                    (Ok(()), 0) => Some(Ok(())),
+                    (Ok(()), _) => Some(put(rows, b, positions, a.dim(3).ok()?)?),
+                    (e, _) => Some(e),
+                }
+            }
         }
     }
 

@@ -9,17 +9,11 @@ use candle_core::{CpuStorage, DType, Error, InplaceOp2, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 /// Writes `src` (1, heads, T, w), f32/bf16/f16, each row contiguous (any strides between
-/// them), into `dst` (1, heads, P, W), contiguous, at positions `at..at + T` and columns
-/// `col..col + w`, in `dst`'s dtype. `None` where it does not apply (off the CPU, other
-/// dtypes, strided rows): the caller writes candle's way.
-pub(super) fn put(dst: &Tensor, src: &Tensor, at: usize, col: usize) -> Option<Result<()>> {
-    let t = src.dims().get(2).copied().unwrap_or(0);
-    put_at(dst, src, &(at..at + t).collect::<Vec<_>>(), col)
-}
-
-/// [`put`] with token j of `src` at position `positions[j]` (one entry per token): a batched
-/// step's sequences, each at its own positions of one pool.
-pub(super) fn put_at(
+/// them), into `dst` (1, heads, P, W), contiguous, token j at position `positions[j]` (one
+/// a token: a run, or a batched step's sequences each at its own) and columns `col..col +
+/// w`, in `dst`'s dtype. `None` where it does not apply (off the CPU, other dtypes, strided
+/// rows): the caller writes candle's way.
+pub(super) fn put(
     dst: &Tensor,
     src: &Tensor,
     positions: &[usize],
@@ -185,7 +179,7 @@ mod tests {
             ] {
                 let ours = Tensor::ones((1, 3, 40, 24), cache, &dev)?;
                 let theirs = ours.copy()?;
-                put(&ours, &src, 7, 8).expect("taken")?;
+                put(&ours, &src, &[7, 8, 9, 10, 11], 8).expect("taken")?;
                 let wide = Tensor::cat(
                     &[
                         theirs.narrow(2, 7, 5)?.narrow(3, 0, 8)?,
@@ -202,9 +196,9 @@ mod tests {
         let cache = Tensor::zeros((1, 3, 8, 16), DType::BF16, &dev)?;
         let src = Tensor::zeros((1, 3, 2, 16), DType::F32, &dev)?;
         // Rows with strided values are left to candle's write.
-        assert!(put(&cache, &src.transpose(2, 3)?, 0, 0).is_none());
+        assert!(put(&cache, &src.transpose(2, 3)?, &[0, 1], 0).is_none());
         // A write past the cache's end is an error, not a panic.
-        assert!(put(&cache, &src, 7, 0).expect("taken").is_err());
+        assert!(put(&cache, &src, &[7, 8], 0).expect("taken").is_err());
         Ok(())
     }
 }

@@ -216,12 +216,8 @@ impl MlaAttention {
             .iter()
             .all(|c| matches!(c.layer(), LayerCache::Latent { .. }));
         if matches!(self.up, UpProj::Folded) && latent && x.device().is_cpu() {
-            let helds = (spans.iter().zip(caches))
-                .map(|(span, cache)| {
-                    let (c_kv, k_pe) = (span.rows(&c_kv, 2)?, span.rows(&k_pe, 2)?);
-                    cache.write_held(&c_kv, &k_pe, span.pos)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let at: Vec<_> = spans.iter().map(|s| (s.start, s.len, s.pos)).collect();
+            let helds = LayerView::write_held_all(caches, &c_kv, &k_pe, &at)?;
             let q = forms::cat_last(&[&q_nope, &q_pe.to_dtype(q_nope.dtype())?])?;
             let y = sdpa_spans(&q, &helds, spans, m.softmax_scale)?; // (1, N, H·r)
             return self.o_proj.forward(&y.to_dtype(x.dtype())?);
