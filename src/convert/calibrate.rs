@@ -2,7 +2,8 @@
 //! or the text the original writes itself for `--heal`): one forward keeping of each layer
 //! only the second moment of its attention's input (every activation-aware fit is computed
 //! from these: keys, values and queries are linear in the input, so the text is read once),
-//! and for `--heal` its input windows and next-token targets.
+//! and for `--heal` (and MLA's expected rotations) its input windows, and for `--heal` its
+//! next-token targets.
 
 use super::{heal, own_text, Request, Stage, DEFAULT_CALIBRATION};
 use crate::error::{Error, Result};
@@ -133,11 +134,13 @@ pub(super) struct Calibration {
 }
 
 /// The original model in f32 on `device` over the calibration text: each layer's input
-/// moments (for `aware`) and input windows (for `--heal`).
+/// moments (for `aware`) and input windows (for `--heal`, and with `turns` for MLA's
+/// expected rotations, [`super::rotation`]).
 pub(super) fn run(
     source: &Source,
     req: &Request,
     moments: bool,
+    turns: bool,
     heal: Option<heal::Heal>,
     device: &Device,
     progress: &mut impl FnMut(Stage, usize, usize),
@@ -176,18 +179,18 @@ pub(super) fn run(
         })?;
         out.moments = Some(m);
     }
-    if let Some(h) = heal {
-        let (window, count) = (heal::WINDOW, heal::WINDOWS);
-        let w = windows(&original.model, &ids, window, count, |done, n| {
+    let window = heal::WINDOW;
+    if heal.is_some() || turns {
+        let w = windows(&original.model, &ids, window, heal::WINDOWS, |done, n| {
             progress(Stage::Calibrating, done * window, n * window)
         })?;
         out.windows = Some(w);
-        if h.steps > 0 {
-            let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
-                progress(Stage::Calibrating, done * window, n * window)
-            })?;
-            out.targets = Some(t);
-        }
+    }
+    if heal.is_some_and(|h| h.steps > 0) {
+        let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
+            progress(Stage::Calibrating, done * window, n * window)
+        })?;
+        out.targets = Some(t);
     }
     // A GPU's queued work finishes before the clock is read.
     device.synchronize()?;

@@ -16,6 +16,7 @@
 use super::gqa::{self, Heads, Projections};
 use super::lowrank;
 use super::plan::Plan;
+use super::rotation::Expected;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -28,7 +29,15 @@ pub struct Mla {
     pub kv_b: Tensor,
 }
 
-pub fn convert(plan: &Plan, heads: Heads, w: &Projections, moment: Option<&Tensor>) -> Result<Mla> {
+/// `turn`: the rotation each query head expects where it attends ([`Expected`]), folded into
+/// its unrotated query; without it, none (exact where a head attends to its own position).
+pub fn convert(
+    plan: &Plan,
+    heads: Heads,
+    w: &Projections,
+    moment: Option<&Tensor>,
+    turn: Option<&Expected>,
+) -> Result<Mla> {
     let (h, g, k, d) = (
         plan.num_heads,
         plan.from_kv_heads,
@@ -58,8 +67,12 @@ pub fn convert(plan: &Plan, heads: Heads, w: &Projections, moment: Option<&Tenso
             Ok((w.k.narrow(0, s * d, d)? - rebuilt)?)
         })
         .collect::<Result<Vec<_>>>()?;
+    let q_nope = match turn {
+        Some(turn) => turn.fold(&w.q, heads)?,
+        None => w.q.clone(),
+    };
     let nope = Projections {
-        q: w.q.clone(),
+        q: q_nope.clone(),
         k: Tensor::cat(&residual, 0)?,
         v: w.v.clone(),
         o: w.o.clone(),
@@ -73,7 +86,7 @@ pub fn convert(plan: &Plan, heads: Heads, w: &Projections, moment: Option<&Tenso
     let mut q_rows = Vec::with_capacity(h * (1 + k));
     let mut b_rows = Vec::with_capacity(2 * h);
     for q in 0..h {
-        q_rows.push(w.q.narrow(0, q * d, d)?);
+        q_rows.push(q_nope.narrow(0, q * d, d)?);
         for j in 0..k {
             q_rows.push(match j == rope_head(q) {
                 true => q_pe.narrow(0, q * d, d)?,

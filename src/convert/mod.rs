@@ -17,6 +17,7 @@ pub mod lowrank;
 pub mod mla;
 pub mod own_text;
 pub mod plan;
+pub mod rotation;
 pub mod spec;
 mod tensors;
 mod write;
@@ -28,7 +29,6 @@ pub use write::{write, Written};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::loader::{DTypeArg, Loaded, Source, Stored};
-use calibrate::Moments;
 use candle_core::{Device, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use gqa::Heads;
@@ -135,8 +135,11 @@ impl Conversion {
         let aware = plan.method == Method::Aware && !plan.is_exact();
         let healing = req.heal.filter(|_| !plan.is_exact());
         let mut calibration = calibrate::Calibration::default();
+        // An aware MLA fit also reads how the original's heads attend (`rotation`).
+        let turns = aware && plan.latent.is_some_and(|l| l.rope.is_some());
         if aware || healing.is_some() {
-            calibration = calibrate::run(source, req, aware, healing, device, &mut progress)?;
+            calibration =
+                calibrate::run(source, req, aware, turns, healing, device, &mut progress)?;
         }
         let mut healer = match (healing, &calibration.windows) {
             (Some(h), Some(windows)) => {
@@ -164,7 +167,7 @@ impl Conversion {
             heads,
             cfg,
             &*stored.backend,
-            calibration.moments.as_ref(),
+            &calibration,
             healer.as_mut(),
             &mut progress,
         )?;

@@ -3,10 +3,12 @@
 //! names the converted model loads, and the backend that serves them in place of the
 //! checkpoint's.
 
+use super::calibrate::Calibration;
 use super::gqa::{self, augment, Heads, Projections};
 use super::heal::{Form, Healer};
+use super::rotation::Expected;
 use super::spec::MlaLayout;
-use super::{deepseek, lowrank, mla, Moments, Plan, Stage};
+use super::{deepseek, lowrank, mla, Method, Plan, Stage};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
@@ -46,10 +48,14 @@ pub fn fit(
     heads: Heads,
     cfg: &ModelConfig,
     backend: &dyn SimpleBackend,
-    moments: Option<&Moments>,
+    calibration: &Calibration,
     mut healer: Option<&mut Healer>,
     progress: &mut impl FnMut(Stage, usize, usize),
 ) -> Result<HashMap<String, Tensor>> {
+    let moments = calibration.moments.as_ref();
+    // An aware MLA fit also reads how the original's heads attend (`rotation`).
+    let windows = (calibration.windows.as_deref())
+        .filter(|_| plan.method == Method::Aware && !plan.is_exact());
     let mut replaced = HashMap::new();
     let mut forms = Vec::with_capacity(cfg.num_hidden_layers);
     for layer in 0..cfg.num_hidden_layers {
@@ -61,7 +67,10 @@ pub fn fit(
                 rank: l.fitted(),
                 ..l
             });
-            let out = mla::convert(&Plan { latent, ..*plan }, heads, &w, moment)?;
+            let turn = windows
+                .map(|x| Expected::measure(&x[layer], &w, heads, plan.num_heads, &cfg.rope))
+                .transpose()?;
+            let out = mla::convert(&Plan { latent, ..*plan }, heads, &w, moment, turn.as_ref())?;
             Form::Mla {
                 q: out.q,
                 kv_a: out.kv_a,

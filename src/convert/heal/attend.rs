@@ -268,7 +268,7 @@ mod tests {
             d,
             interleaved: false,
         };
-        let out = mla::convert(&plan, heads, &w, None).unwrap();
+        let out = mla::convert(&plan, heads, &w, None, None).unwrap();
         let positions: Vec<u32> = (0..t as u32).collect();
         let geo = Geometry {
             num_heads: h,

@@ -23,7 +23,7 @@ mod head_loss;
 mod product;
 pub mod targets;
 
-pub use attend::Form;
+pub use attend::{mask, Form};
 pub use distil::Distilled;
 pub use frozen::Frozen;
 pub use targets::Targets;
@@ -33,7 +33,7 @@ use super::HealReport;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::rope::{Rope, Rotation};
-use attend::{attend, in_batches, mask, output};
+use attend::{attend, in_batches, output};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use nalgebra::DMatrix;
