@@ -135,9 +135,8 @@ impl Conversion {
         let aware = plan.method == Method::Aware && !plan.is_exact();
         let healing = req.heal.filter(|_| !plan.is_exact());
         let mut calibration = calibrate::Calibration::default();
-        // An aware MLA fit also reads how the original's heads attend (`rotation`).
-        let turns = aware && plan.latent.is_some_and(|l| l.rope.is_some());
         if aware || healing.is_some() {
+            let turns = plan.turns();
             calibration =
                 calibrate::run(source, req, aware, turns, healing, device, &mut progress)?;
         }

@@ -257,4 +257,11 @@ impl Plan {
         let heads_kept = (0..self.to_kv_heads).all(|j| self.sources(j).len() == 1);
         heads_kept && self.latent.is_none_or(|l| l.fitted() == l.full)
     }
+
+    /// True when an aware MLA fit also reads how the original's heads attend (the rotation
+    /// each expects, [`super::rotation`]): the calibration keeps its windows for it.
+    pub fn turns(&self) -> bool {
+        let mla = self.latent.is_some_and(|l| l.rope.is_some());
+        mla && self.method == Method::Aware && !self.is_exact()
+    }
 }

@@ -8,7 +8,7 @@ use super::gqa::{self, augment, Heads, Projections};
 use super::heal::{Form, Healer};
 use super::rotation::Expected;
 use super::spec::MlaLayout;
-use super::{deepseek, lowrank, mla, Method, Plan, Stage};
+use super::{deepseek, lowrank, mla, Plan, Stage};
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor};
@@ -53,9 +53,7 @@ pub fn fit(
     progress: &mut impl FnMut(Stage, usize, usize),
 ) -> Result<HashMap<String, Tensor>> {
     let moments = calibration.moments.as_ref();
-    // An aware MLA fit also reads how the original's heads attend (`rotation`).
-    let windows = (calibration.windows.as_deref())
-        .filter(|_| plan.method == Method::Aware && !plan.is_exact());
+    let windows = calibration.windows.as_deref().filter(|_| plan.turns());
     let mut replaced = HashMap::new();
     let mut forms = Vec::with_capacity(cfg.num_hidden_layers);
     for layer in 0..cfg.num_hidden_layers {
