@@ -11,6 +11,7 @@
 //! attention probabilities of each query head, summed along each distance.
 
 use super::gqa::{Heads, Projections};
+use super::heal::{mask, weights, Form, Geometry};
 use crate::config::RopeConfig;
 use crate::error::Result;
 use crate::model::rope::Rope;
@@ -33,33 +34,32 @@ impl Expected {
         h: usize,
         rope: &RopeConfig,
     ) -> Result<Self> {
-        let (n, t, _) = windows.dims3()?;
-        let d = heads.d;
-        let g = w.k.dim(0)? / d;
+        let ((n, t, _), d) = (windows.dims3()?, heads.d);
         let dev = windows.device();
         let positions: Vec<u32> = (0..t as u32).collect();
-        let rotation = Rope::new(rope, DType::F32, dev)?.at_positions(&positions)?;
-        let wq = w.q.to_dtype(DType::F32)?.to_device(dev)?;
-        let wk = w.k.to_dtype(DType::F32)?.to_device(dev)?;
-        let mask = super::heal::mask(t, dev)?;
+        // The original layer as healing's attention runs it (a bias column of zeros where
+        // the model has none adds nothing).
+        let geo = Geometry {
+            num_heads: h,
+            head_dim: d,
+            rotation: Rope::new(rope, DType::F32, dev)?.at_positions(&positions)?,
+            bias: true,
+            device: dev.clone(),
+        };
+        let original = Form::Gqa {
+            q: w.q.clone(),
+            k: w.k.clone(),
+            v: w.v.clone(),
+            o: w.o.clone(),
+        }
+        .to(DType::F32, dev)?;
+        let mask = mask(t, dev)?;
         // The attention's share at each distance, per head, summed over windows and queries.
         let mut share = vec![0.0f64; h * t];
         for start in (0..n).step_by(BATCH) {
-            let b = BATCH.min(n - start);
-            let x = windows.narrow(0, start, b)?.reshape((b * t, ()))?;
-            let heads_of = |w: &Tensor, k: usize| -> Result<Tensor> {
-                let y = x.matmul(&w.t()?)?.reshape((b, t, k, d))?;
-                Ok(rotation.apply(&y.transpose(1, 2)?.contiguous()?)?)
-            };
-            let (q, k) = (heads_of(&wq, h)?, heads_of(&wk, g)?);
-            // A K/V head's query heads as one block of rows, as the engine reads them.
-            let q = q.reshape((b, g, (h / g) * t, d))?;
-            let scores = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?
-                .broadcast_add(&mask.repeat((h / g, 1))?)?;
-            let p = candle_nn::ops::softmax_last_dim(&scores)?
-                .sum(0)?
-                .reshape((h, t, t))?
-                .to_dtype(DType::F64)?;
+            let x = windows.narrow(0, start, BATCH.min(n - start))?;
+            let (p, _) = weights(&original, &x, &geo, &mask)?;
+            let p = p.sum(0)?.reshape((h, t, t))?.to_dtype(DType::F64)?;
             for (head, rows) in p.to_vec3::<f64>()?.iter().enumerate() {
                 for (i, row) in rows.iter().enumerate() {
                     for (j, x) in row[..=i].iter().enumerate() {

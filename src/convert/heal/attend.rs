@@ -82,7 +82,7 @@ impl Form {
     }
 
     /// The same form with every tensor in `dtype` on `device`.
-    pub(super) fn to(&self, dtype: DType, device: &Device) -> Result<Self> {
+    pub(crate) fn to(&self, dtype: DType, device: &Device) -> Result<Self> {
         let ts = self
             .tensors()
             .into_iter()
@@ -135,6 +135,16 @@ pub fn output(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Ten
 /// The heads' outputs before `o_proj`, (B, T, H·D), for x (B, T, C + 1): attention with
 /// RoPE over each window from position 0, in differentiable ops.
 pub fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let (h, d) = (geo.num_heads, geo.head_dim);
+    let (p, v) = weights(f, x, geo, mask)?;
+    let y = p.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?;
+    Ok(y.reshape((b, t, h * d))?)
+}
+
+/// The attention's probabilities for x (B, T, C + 1), (B, G, (H/G)·T, T) with query head
+/// g·(H/G) + i at rows i·T.., and the values they weigh, (B, G, T, D).
+pub fn weights(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<(Tensor, Tensor)> {
     let (b, t, c1) = x.dims3()?;
     let (h, d) = (geo.num_heads, geo.head_dim);
     let flat = x.reshape((b * t, c1))?;
@@ -214,9 +224,7 @@ pub fn attend(f: &Form, x: &Tensor, geo: &Geometry, mask: &Tensor) -> Result<Ten
     // The row maxima only keep exp in range: no gradient flows through them.
     let max = scores.max_keepdim(D::Minus1)?.detach();
     let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    let y = p.matmul(&v)?.reshape((b, h, t, d))?.transpose(1, 2)?;
-    Ok(y.reshape((b, t, h * d))?)
+    Ok((e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?, v))
 }
 
 /// x (N, C + 1), or (N, C) without biases ([`attend`]), through an augmented projection w

@@ -23,7 +23,7 @@ mod head_loss;
 mod product;
 pub mod targets;
 
-pub use attend::{mask, Form};
+pub use attend::{mask, weights, Form};
 pub use distil::Distilled;
 pub use frozen::Frozen;
 pub use targets::Targets;
