@@ -271,7 +271,7 @@ fn what_healing_cannot_do_is_a_one_line_error() {
     fails(
         eval(&["--attention", "mqa", "--heal", "--heal-tokens", "100"]),
         &[],
-        "--heal-tokens 100: give at least 512",
+        "--heal-tokens 100: give at least 1024",
     );
     // About 200 tokens: enough for the aware fit (64, the hidden size), not for healing.
     let short = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("heal-short.txt");

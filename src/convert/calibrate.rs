@@ -179,15 +179,16 @@ pub(super) fn run(
         })?;
         out.moments = Some(m);
     }
-    let window = heal::WINDOW;
+    let window = heal::window(original.model.config().max_position_embeddings);
     if heal.is_some() || turns {
-        let w = windows(&original.model, &ids, window, heal::WINDOWS, |done, n| {
+        let count = heal::FIT_TOKENS / window;
+        let w = windows(&original.model, &ids, window, count, |done, n| {
             progress(Stage::Calibrating, done * window, n * window)
         })?;
         out.windows = Some(w);
     }
     if heal.is_some_and(|h| h.steps > 0) {
-        let t = heal::Targets::measure(&original.model, &ids, usize::MAX, |done, n| {
+        let t = heal::Targets::measure(&original.model, &ids, window, usize::MAX, |done, n| {
             progress(Stage::Calibrating, done * window, n * window)
         })?;
         out.targets = Some(t);

@@ -4,7 +4,7 @@
 //! MLA's latent and shared RoPE key (`mla:R,rope=W`, in its expanded form), as the engine
 //! runs them (`model::attention`).
 
-use super::{Geometry, BATCH};
+use super::{batch, Geometry};
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor, D};
 
@@ -106,12 +106,14 @@ impl Form {
     }
 }
 
-/// `f` over `inputs` a few windows at a time, the results joined along the first dim.
+/// `f` over `inputs` (N, T, C + 1) a few windows at a time, the results joined along the
+/// first dim.
 pub fn in_batches(inputs: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
-    let n = inputs.dim(0)?;
+    let (n, t, _) = inputs.dims3()?;
+    let b = batch(t);
     let parts = (0..n)
-        .step_by(BATCH)
-        .map(|i| f(&inputs.narrow(0, i, BATCH.min(n - i))?))
+        .step_by(b)
+        .map(|i| f(&inputs.narrow(0, i, b.min(n - i))?))
         .collect::<Result<Vec<_>>>()?;
     Ok(Tensor::cat(&parts, 0)?)
 }

@@ -16,14 +16,12 @@
 use super::attend::{mask, Form};
 use super::frozen::Frozen;
 use super::targets::Targets;
-use super::{Geometry, WINDOW};
+use super::{batch, Geometry};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use std::time::Instant;
 
-/// Windows per optimiser step (and per scoring forward, [`Frozen::score`]).
-pub(super) const BATCH: usize = 4;
 /// One window in this many is held out (at least one, at most [`HELD_OUT_MAX`]).
 const HELD_OUT: usize = 8;
 const HELD_OUT_MAX: usize = 4;
@@ -65,16 +63,16 @@ pub fn distil(
             "--heal-lr {lr}: give a finite learning rate above 0"
         )));
     }
-    let n = targets.windows();
+    let (n, t) = (targets.windows(), targets.window());
     if n < 2 {
         return Err(Error::Invalid(format!(
-            "--heal: the calibration text gives {n} window(s) of {WINDOW} tokens; healing \
+            "--heal: the calibration text gives {n} window(s) of {t} tokens; healing \
              end to end needs at least 2 (one to fit, one to check)"
         )));
     }
     let held = (n / HELD_OUT).clamp(1, HELD_OUT_MAX);
     let (fit, check): (Vec<usize>, Vec<usize>) = ((0..n - held).collect(), (n - held..n).collect());
-    let mask = mask(WINDOW, &geo.device)?;
+    let mask = mask(t, &geo.device)?;
     let f32_forms = forms
         .iter()
         .map(|f| f.to(DType::F32, &geo.device))
@@ -110,8 +108,8 @@ pub fn distil(
     let (mut opt, mut scale) = (adamw()?, 1.0);
     for step in 0..steps {
         opt.set_learning_rate(scale * lr * (1.0 - 0.9 * step as f64 / steps as f64));
-        let picks: Vec<usize> = (0..BATCH.min(fit.len()))
-            .map(|i| fit[(step * BATCH + i) % fit.len()])
+        let picks: Vec<usize> = (0..batch(t).min(fit.len()))
+            .map(|i| fit[(step * batch(t) + i) % fit.len()])
             .collect();
         let loss = frozen.loss(
             &current(false),
@@ -144,7 +142,7 @@ pub fn distil(
     let report = Distilled {
         steps,
         lr,
-        tokens: fit.len() * WINDOW,
+        tokens: fit.len() * t,
         secs: start.elapsed().as_secs_f64(),
         before,
         after: best.0,

@@ -4,11 +4,10 @@
 //! distribution ([`grouped_cross_entropy`], through [`Head`]).
 
 use super::attend::{output, Form};
-use super::distil::BATCH;
 use super::head_loss::Head;
 use super::product::Weight;
 use super::targets::Targets;
-use super::Geometry;
+use super::{batch, Geometry};
 use crate::config::{AttentionConfig, MlpConfig, ModelConfig};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -151,7 +150,7 @@ impl Frozen {
         mask: &Tensor,
     ) -> Result<f64> {
         let mut sum = 0.0;
-        for chunk in picks.chunks(BATCH) {
+        for chunk in picks.chunks(batch(targets.window())) {
             let l = self.loss(forms, &targets.batch(chunk, &geo.device)?, geo, mask)?;
             sum += l.to_scalar::<f32>()? as f64 * chunk.len() as f64;
         }

@@ -39,10 +39,26 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use nalgebra::DMatrix;
 use std::time::Instant;
 
-/// Tokens per calibration window: every window starts at position 0.
-pub const WINDOW: usize = 256;
-/// At most this many windows (8192 tokens) are kept per layer.
-pub const WINDOWS: usize = 32;
+/// Tokens per calibration window (every window starts at position 0), or the model's
+/// context where that is shorter ([`window`]). Healed on 256-token windows, SmolLM2
+/// `mla:192,rope=64` had lost 0.036 nats on passage.txt read 256 tokens at a time and 0.058
+/// read whole (578 tokens): what healing taught it held only where it was taught. On 512-token
+/// windows, the same text: +0.041 whole (docs/conversion.md).
+pub const WINDOW: usize = 512;
+/// Tokens of each layer's inputs the layer-wise fit keeps, at most.
+pub const FIT_TOKENS: usize = 8192;
+/// Tokens per optimiser step, layer-wise and end to end (one window at least).
+const STEP_TOKENS: usize = 1024;
+
+/// The calibration windows' length for a model of `max_positions` positions.
+pub fn window(max_positions: usize) -> usize {
+    WINDOW.min(max_positions)
+}
+
+/// Windows per optimiser step (and per forward without gradients) for windows of `t` tokens.
+fn batch(t: usize) -> usize {
+    (STEP_TOKENS / t.max(1)).max(1)
+}
 /// Optimiser steps per layer without `--heal-steps`. (With 1 step and the end-to-end
 /// training after it, SmolLM2's `mqa` scored better than with 100 alone, `lowrank:128`
 /// worse: docs/conversion.md.)
@@ -68,8 +84,6 @@ pub fn default_lr(forms: &[Form]) -> f64 {
 }
 /// Tokens of its own text the original writes without `--heal-tokens`.
 pub const TOKENS: usize = 32768;
-/// Windows per optimiser step.
-const BATCH: usize = 4;
 /// AdamW's learning rate, without weight decay (the fit starts where the conversion put
 /// it and should stay near it).
 const LR: f64 = 1e-3;
@@ -86,7 +100,7 @@ pub struct Fit {
 pub struct Geometry {
     pub num_heads: usize,
     pub head_dim: usize,
-    /// RoPE at positions 0..[`WINDOW`], f32.
+    /// RoPE at positions 0..[`window`], f32.
     pub rotation: Rotation,
     /// Whether the model's q/k/v projections have biases: without, the projections' bias
     /// columns stay zero (they would not be written).
@@ -122,7 +136,7 @@ pub struct EndToEnd<'a> {
 /// each fit did for the report.
 pub struct Healer<'a> {
     geo: Geometry,
-    /// Each layer's attention inputs, (N, [`WINDOW`], C + 1).
+    /// Each layer's attention inputs, (N, [`window`], C + 1).
     windows: &'a [Tensor],
     steps: usize,
     fits: Vec<Fit>,
@@ -146,7 +160,7 @@ impl<'a> Healer<'a> {
         else {
             return Err(Error::Invalid("--heal: not a GQA-family model".into()));
         };
-        let positions: Vec<u32> = (0..WINDOW as u32).collect();
+        let positions: Vec<u32> = (0..window(cfg.max_position_embeddings) as u32).collect();
         let geo = Geometry {
             num_heads: cfg.num_attention_heads,
             head_dim,
@@ -207,14 +221,14 @@ impl<'a> Healer<'a> {
             tokens: self
                 .windows
                 .first()
-                .map_or(0, |w| w.dim(0).unwrap_or(0) * WINDOW),
+                .map_or(0, |w| w.dims3().map_or(0, |(n, t, _)| n * t)),
             layers: self.fits,
             end_to_end: self.distilled,
         }
     }
 }
 
-/// Fits `form` so that its output on `inputs` (N, [`WINDOW`], C + 1), f32, is the output of
+/// Fits `form` so that its output on `inputs` (N, T, C + 1), f32, is the output of
 /// `original` there, with `steps` optimiser steps. The last quarter of the windows is held
 /// out: it picks the least squares' regularisation, decides whether the fit is kept, and
 /// gives the errors reported.
@@ -225,10 +239,10 @@ pub fn heal(
     geo: &Geometry,
     steps: usize,
 ) -> Result<(Form, Fit)> {
-    let n = inputs.dim(0)?;
+    let (n, t, _) = inputs.dims3()?;
     if n < 2 {
         return Err(Error::Invalid(format!(
-            "--heal: the calibration text gives {n} window(s) of {WINDOW} tokens; healing \
+            "--heal: the calibration text gives {n} window(s) of {t} tokens; healing \
              needs at least 2 (one to fit, one to check)"
         )));
     }
@@ -240,7 +254,7 @@ pub fn heal(
         o: original.o.clone(),
     })
     .to(DType::F32, &geo.device)?;
-    let mask = mask(inputs.dim(1)?, &geo.device)?;
+    let mask = mask(t, &geo.device)?;
     let targets = in_batches(inputs, |x| output(&reference, x, geo, &mask))?;
     let fit_set = Set::new(inputs, &targets, 0, n - held)?;
     let check = Set::new(inputs, &targets, n - held, held)?;
@@ -259,11 +273,9 @@ pub fn heal(
         ..Default::default()
     };
     let mut opt = AdamW::new(vars.clone(), params)?;
-    let m = fit_set.inputs.dim(0)?;
+    let (m, b) = (fit_set.inputs.dim(0)?, batch(t));
     for step in 0..steps {
-        let picks: Vec<u32> = (0..BATCH.min(m))
-            .map(|i| ((step * BATCH + i) % m) as u32)
-            .collect();
+        let picks: Vec<u32> = (0..b.min(m)).map(|i| ((step * b + i) % m) as u32).collect();
         let picks = Tensor::new(picks.as_slice(), &geo.device)?;
         let x = fit_set.inputs.index_select(&picks, 0)?;
         let y = fit_set.targets.index_select(&picks, 0)?;

@@ -5,7 +5,6 @@
 //! converted model to give every other token nothing, and a real text's next token is one of
 //! them now and then: SmolLM2 `mla:192`'s passage NLL rose as its own-text loss fell).
 
-use super::WINDOW;
 use crate::error::Result;
 use crate::model::attention::decode::softmax_row;
 use crate::model::linear::simd::Isa;
@@ -27,23 +26,24 @@ pub struct Targets {
 }
 
 impl Targets {
-    /// The original `model` over up to `count` windows of [`WINDOW`] tokens of `ids`, one
+    /// The original `model` over up to `count` windows of `window` tokens of `ids`, one
     /// after another; `progress(done, total)` after each.
     pub fn measure(
         model: &Transformer,
         ids: &[u32],
+        window: usize,
         count: usize,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
-        let n = (ids.len() / WINDOW).min(count);
-        let mut cache = model.new_cache(WINDOW)?;
+        let n = (ids.len() / window).min(count);
+        let mut cache = model.new_cache(window)?;
         let mut out = Targets {
             ids: Vec::with_capacity(n),
             top: Vec::with_capacity(n),
         };
-        for (w, window) in ids.chunks_exact(WINDOW).take(n).enumerate() {
+        for (w, tokens) in ids.chunks_exact(window).take(n).enumerate() {
             cache.reset();
-            let input = Tensor::new(window, model.device())?.unsqueeze(0)?;
+            let input = Tensor::new(tokens, model.device())?.unsqueeze(0)?;
             let logits = model
                 .forward(&input, &mut cache)?
                 .squeeze(0)?
@@ -62,7 +62,7 @@ impl Targets {
                 top.extend(ids);
                 p.extend(probs);
             }
-            out.ids.push(Tensor::new(window, &Device::Cpu)?);
+            out.ids.push(Tensor::new(tokens, &Device::Cpu)?);
             out.top.push((
                 Tensor::from_vec(top, (t, k), &Device::Cpu)?,
                 Tensor::from_vec(p, (t, k), &Device::Cpu)?,
@@ -78,7 +78,12 @@ impl Targets {
 
     /// Tokens in all windows.
     pub fn tokens(&self) -> usize {
-        self.ids.len() * WINDOW
+        self.ids.len() * self.window()
+    }
+
+    /// Tokens per window.
+    pub fn window(&self) -> usize {
+        self.ids.first().map_or(0, |w| w.elem_count())
     }
 
     /// Windows `picks` stacked on `device`: ids (B, T), top tokens and probabilities (B·T, K).
