@@ -83,6 +83,16 @@ const BATCH_GPU: usize = 64;
 /// New tokens per sequence at most (a window and a bit, so most windows are one answer).
 const NEW_TOKENS: usize = 288;
 
+/// Sequences to sample together for `wanted` more tokens: [`BATCH_CPU`] on the CPU; off it up
+/// to [`BATCH_GPU`], but no more of the CPU's batches than `wanted` needs at least (a sequence
+/// writes at most [`NEW_TOKENS`]), so that a short text is not several times what was asked.
+fn batch(cpu: bool, wanted: usize) -> usize {
+    match cpu {
+        true => BATCH_CPU,
+        false => (wanted.div_ceil(NEW_TOKENS).next_multiple_of(BATCH_CPU)).min(BATCH_GPU),
+    }
+}
+
 /// The i-th prompt: with `chat`, questions and openings by turns, else openings only; each
 /// kind goes through topic and ask (or opening) pairs in an order that varies both.
 fn prompt(i: usize, chat: bool) -> Prompt {
@@ -114,13 +124,10 @@ pub fn write(
         Error::Invalid("--heal: the model's own calibration text needs its tokenizer.json".into())
     })?;
     let template = ChatTemplate::from_meta(&loaded.meta)?;
-    let batch = match model.device().is_cpu() {
-        true => BATCH_CPU,
-        false => BATCH_GPU,
-    };
-    let mut out = Vec::with_capacity(tokens + batch * NEW_TOKENS);
+    let mut out = Vec::with_capacity(tokens + BATCH_GPU * NEW_TOKENS);
     let mut next = 0;
     while out.len() < tokens {
+        let batch = batch(model.device().is_cpu(), tokens - out.len());
         let prompts = (next..next + batch)
             .map(|i| match (prompt(i, template.is_some()), &template) {
                 (Prompt::Chat(ask), Some(t)) => {
@@ -181,6 +188,17 @@ pub fn write(
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn a_gpu_batch_is_no_larger_than_the_text_needs() {
+        assert_eq!(batch(true, 32768), BATCH_CPU);
+        assert_eq!(batch(true, 10), BATCH_CPU);
+        assert_eq!(batch(false, 32768), BATCH_GPU);
+        // 4,096 tokens need at least 15 sequences: one CPU batch, not four.
+        assert_eq!(batch(false, 4096), BATCH_CPU);
+        assert_eq!(batch(false, 10), BATCH_CPU);
+        assert_eq!(batch(false, 17 * NEW_TOKENS), 2 * BATCH_CPU);
+    }
 
     #[test]
     fn prompts_vary_topic_and_kind() {
