@@ -127,8 +127,8 @@ pub fn write(
     let mut out = Vec::with_capacity(tokens + BATCH_GPU * NEW_TOKENS);
     let mut next = 0;
     while out.len() < tokens {
-        let batch = batch(model.device().is_cpu(), tokens - out.len());
-        let prompts = (next..next + batch)
+        let size = batch(model.device().is_cpu(), tokens - out.len());
+        let prompts = (next..next + size)
             .map(|i| match (prompt(i, template.is_some()), &template) {
                 (Prompt::Chat(ask), Some(t)) => {
                     let m = [Message {
@@ -155,7 +155,7 @@ pub fn write(
             model.device(),
         )?;
         let mut caches: Vec<KvCache> = prompts.iter().map(|p| pool.sequence(capacity(p))).collect();
-        let mut samplers = (next..next + batch)
+        let mut samplers = (next..next + size)
             .map(|i| {
                 Sampler::new(&SamplingParams {
                     temperature: 0.9,
@@ -178,7 +178,7 @@ pub fn write(
             out.extend_from_slice(p);
             out.extend_from_slice(seq.generated());
         }
-        next += batch;
+        next += size;
         progress(out.len().min(tokens), tokens);
     }
     Ok(out)

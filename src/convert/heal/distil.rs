@@ -73,6 +73,7 @@ pub fn distil(
     let held = (n / HELD_OUT).clamp(1, HELD_OUT_MAX);
     let (fit, check): (Vec<usize>, Vec<usize>) = ((0..n - held).collect(), (n - held..n).collect());
     let mask = mask(t, &geo.device)?;
+    let per_step = batch(t);
     let f32_forms = forms
         .iter()
         .map(|f| f.to(DType::F32, &geo.device))
@@ -108,8 +109,8 @@ pub fn distil(
     let (mut opt, mut scale) = (adamw()?, 1.0);
     for step in 0..steps {
         opt.set_learning_rate(scale * lr * (1.0 - 0.9 * step as f64 / steps as f64));
-        let picks: Vec<usize> = (0..batch(t).min(fit.len()))
-            .map(|i| fit[(step * batch(t) + i) % fit.len()])
+        let picks: Vec<usize> = (0..per_step.min(fit.len()))
+            .map(|i| fit[(step * per_step + i) % fit.len()])
             .collect();
         let loss = frozen.loss(
             &current(false),
