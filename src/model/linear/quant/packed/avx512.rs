@@ -134,7 +134,7 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
 /// AVX-512F; 8 f16 at each.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
-unsafe fn halves16(p: *const f16, next: usize) -> __m512 {
+pub(super) unsafe fn halves16(p: *const f16, next: usize) -> __m512 {
     // SAFETY: the caller's.
     unsafe {
         let (a, b) = (
@@ -151,7 +151,7 @@ unsafe fn halves16(p: *const f16, next: usize) -> __m512 {
 /// AVX-512F; 32 bytes at each.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
-unsafe fn join(p: *const u8, next: usize) -> __m512i {
+pub(super) unsafe fn join(p: *const u8, next: usize) -> __m512i {
     // SAFETY: the caller's.
     unsafe {
         let a = _mm256_loadu_si256(p as *const __m256i);
@@ -166,7 +166,7 @@ unsafe fn join(p: *const u8, next: usize) -> __m512i {
 /// AVX-512F; 4 bytes at `p`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn bcast(p: *const i8) -> __m512i {
+pub(super) unsafe fn bcast(p: *const i8) -> __m512i {
     // SAFETY: the caller's.
     _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
 }

@@ -113,4 +113,6 @@ fn ggml_scales(sc: &[u8; 8], m: &[u8; 8], out: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) mod avx512;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod x86;

@@ -114,4 +114,6 @@ fn get(w: &QWeight, u: usize, l: usize, blk: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) mod avx512;
+#[cfg(target_arch = "x86_64")]
 pub(super) mod x86;

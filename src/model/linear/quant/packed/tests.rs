@@ -68,9 +68,7 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
             ("avx-vnni tiles", VEX, false, avx_vnni),
         ];
         for (name, dot, pairs, runs) in sets {
-            // No K-quant has a 16-row tile: that set would rerun the 8-row ones.
-            let rerun = pairs && q.format.block_weights() == 256;
-            if !runs || rerun {
+            if !runs {
                 continue;
             }
             let xq = QRows::quantize_for(q.format, x, q.cols);

@@ -5,7 +5,8 @@
 //!
 //! The 32-weight formats' tile of one group is `blocks`'. The K-quants' tiles are `q4k`'s (Q4_K
 //! and Q5_K) and `q6k`'s (Q6_K, Q3_K, Q2_K). Each comes in three forms ([`MADD`], [`EVEX`],
-//! [`VEX`]) from one body.
+//! [`VEX`]) from one body; with AVX-512 VNNI every format has a 16-row tile of two groups in
+//! 512-bit registers too (`avx512.rs`, `q4k/avx512.rs`, `q6k/avx512.rs`).
 
 use super::super::{Format, QRows, QWeight};
 use super::ROWS;
@@ -127,12 +128,16 @@ const RX: usize = 4;
 /// at 64 tokens: 117-120 / 107-112), and AVX2's and AVX-VNNI's 16 registers keep 4.
 const RX_SUB16_VNNI: usize = 8;
 
-/// Rows of x the 16-row tiles of the 32-weight formats (`avx512`'s) take at once, where x has
-/// that many; [`RX`] of what is left go through the same tile of 4 rows. The weights' loads
-/// and nibble masks of a block then serve 8 rows, in 16 accumulators of the 32 registers.
+/// Rows of x the 16-row tiles take at once, where x has that many; [`RX`] of what is left go
+/// through the same tile of 4 rows. The 32-weight formats' (`avx512`'s) weight loads and
+/// nibble masks of a block then serve 8 rows, in 16 accumulators of the 32 registers.
 /// SmolLM2-135M, Zen 5, 2 threads, alternating rounds, medians, tok/s, 4 rows / 8:
 /// `bench --batch 8` decode, Q4_0 file 1138 / 1252 (5 rounds), Q8_0 879 / 1045 (4), Q5_0 1063
-/// / 1199 (3); a 512-token Q4_0 prompt 1918 / 1981 (4).
+/// / 1199 (3); a 512-token Q4_0 prompt 1918 / 1981 (4). Q4_K's and Q5_K's tiles
+/// (`q4k/avx512.rs`) keep 40 sums for 8 rows, some of them on the stack, and are as fast as
+/// with 4 on prompts and faster on batches: the 1.7B shape's Q4_K_M file (Zen 5, 2
+/// alternating rounds), 8 sequences decoded at 129-135 tok/s against 122-123 with 4, a
+/// 512-token prompt 258-268 either way.
 const RX_PAIR: usize = 8;
 
 /// A tile: group `g` of 8 weight rows (a pair's tile: `g` and `g + 1`) against rows `i0..`
@@ -142,8 +147,8 @@ const RX_PAIR: usize = 8;
 pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
 
 /// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x, by the
-/// tiles of the best form this CPU runs ([`EVEX`] on AVX-512 CPUs with VNNI, with the 32-weight
-/// formats' 16-row tiles; [`VEX`] with AVX-VNNI; else [`MADD`]).
+/// tiles of the best form this CPU runs ([`EVEX`] on AVX-512 CPUs with VNNI, with the 16-row
+/// tiles; [`VEX`] with AVX-VNNI; else [`MADD`]).
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `w` is packed and its blocks match its shape (`QWeight::product`
@@ -169,8 +174,8 @@ pub(super) struct Tiles {
     /// tiles leave (Q6_K's, Q3_K's and Q2_K's 8-row tiles leave up to 7) go through it, not
     /// through `one` four times, which would read the weights four times.
     mid: Option<Tile>,
-    /// Two adjacent groups against [`RX_PAIR`] rows, against `RX` and against one: the
-    /// 32-weight formats' where the CPU has AVX-512 VNNI, else none.
+    /// Two adjacent groups against [`RX_PAIR`] rows, against `RX` and against one, where the
+    /// CPU has AVX-512 VNNI (the 32-weight formats' and the K-quants'), else none.
     pair: Option<(Tile, Tile, Tile)>,
 }
 
@@ -218,15 +223,15 @@ pub(super) unsafe fn rows_with(
     }
 }
 
-/// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 32-weight
-/// formats' 16-row ones where `pairs` (with [`EVEX`] only).
+/// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 16-row ones
+/// where `pairs` (with [`EVEX`] only).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
     use super::q4k::x86 as q4k;
     use super::q6k::x86::{Q2, Q3, Q6};
     match format {
-        Format::Q6K => return sub16::<Q6>(dot),
-        Format::Q3K => return sub16::<Q3>(dot),
-        Format::Q2K => return sub16::<Q2>(dot),
+        Format::Q6K => return sub16::<Q6>(dot, pairs),
+        Format::Q3K => return sub16::<Q3>(dot, pairs),
+        Format::Q2K => return sub16::<Q2>(dot, pairs),
         _ => {}
     }
     let (rx, one): (Tile, Tile) = match (format, dot) {
@@ -251,6 +256,8 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
     };
     let pair = match format {
         _ if !(dot == EVEX && pairs) => None,
+        Format::Q4K => Some(q4k_pair::<false>()),
+        Format::Q5K => Some(q4k_pair::<true>()),
         Format::Q8_0 => Some(pair::<Q8_0>()),
         Format::Q4_0 => Some(pair::<Q4_0>()),
         Format::Q4_1 => Some(pair::<Q4_1>()),
@@ -268,9 +275,10 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
 }
 
 /// The tiles of a K-quant with 16-weight sub-blocks (`q6k`'s, `BITS` names which) in form
-/// `dot`: of [`RX_SUB16_VNNI`] rows with AVX-512 VNNI, else of [`RX`].
-fn sub16<const BITS: u8>(dot: u8) -> Tiles {
-    use super::q6k::x86 as q6k;
+/// `dot`: of [`RX_SUB16_VNNI`] rows with AVX-512 VNNI, else of [`RX`]; with AVX-512 VNNI and
+/// `pairs`, its 16-row tiles too (`q6k/avx512.rs`).
+fn sub16<const BITS: u8>(dot: u8, pairs: bool) -> Tiles {
+    use super::q6k::{avx512, x86 as q6k};
     let (rx, rows, one, mid): (Tile, usize, Tile, Option<Tile>) = match dot {
         EVEX => (
             q6k::tile_vnni::<RX_SUB16_VNNI, BITS>,
@@ -286,12 +294,17 @@ fn sub16<const BITS: u8>(dot: u8) -> Tiles {
         ),
         _ => (q6k::tile::<RX, BITS>, RX, q6k::tile::<1, BITS>, None),
     };
+    let pair = (dot == EVEX && pairs).then_some((
+        avx512::tile::<RX_PAIR, BITS> as Tile,
+        avx512::tile::<RX, BITS> as Tile,
+        avx512::tile::<1, BITS> as Tile,
+    ));
     Tiles {
         rx,
         rows,
         one,
         mid,
-        pair: None,
+        pair,
     }
 }
 
@@ -302,6 +315,12 @@ fn pair<const F: u8>() -> (Tile, Tile, Tile) {
         super::avx512::tile::<F, RX>,
         super::avx512::tile::<F, 1>,
     )
+}
+
+/// Q4_K's 16-row tiles (Q5_K's with `FIFTH`).
+fn q4k_pair<const FIFTH: bool>() -> (Tile, Tile, Tile) {
+    use super::q4k::avx512::tile;
+    (tile::<RX_PAIR, FIFTH>, tile::<RX, FIFTH>, tile::<1, FIFTH>)
 }
 
 /// A 32-weight format's tiles in form `dot`.

@@ -17,10 +17,10 @@ use std::arch::x86_64::*;
 
 /// Byte masks for `_mm256_shuffle_epi8`: byte k of each 32-bit lane into the high byte of
 /// both its 16-bit halves (an arithmetic shift by 8 then sign-extends it).
-const TWICE: [[i8; 32]; 4] = [masks(0, 0), masks(1, 1), masks(2, 2), masks(3, 3)];
+pub(super) const TWICE: [[i8; 32]; 4] = [masks(0, 0), masks(1, 1), masks(2, 2), masks(3, 3)];
 
 /// Bytes k and k + 1 of each 32-bit lane into the high bytes of its two halves.
-const PAIRS: [[i8; 32]; 2] = [masks(0, 1), masks(2, 3)];
+pub(super) const PAIRS: [[i8; 32]; 2] = [masks(0, 1), masks(2, 3)];
 
 /// The mask putting bytes `a` and `b` of each lane in the high bytes of its halves; the
 /// low bytes zero (index −128).
