@@ -116,15 +116,33 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
                 acc[j] = _mm512_fmadd_ps(min, sum, acc[j]);
             }
         }
-        // Columns 8g.. of each row: 16, or the real rows of a padded last group.
-        let (r0, n) = (g * ROWS, w.rows);
-        let mask: __mmask16 = match n - r0 {
-            k if k >= 2 * ROWS => 0xFFFF,
-            k => (1u16 << k) - 1,
-        };
-        for (j, acc) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(y.add((i0 + j) * n + r0), mask, *acc);
-        }
+        store(&acc, g, w.rows, i0, y);
+    }
+}
+
+/// Writes a 16-row tile's sums: `acc[j]` to row `i0 + j` of `y` (`n` columns), columns `8g..`:
+/// 16, or the real rows of a padded last group.
+///
+/// # Safety
+/// AVX-512F; `y` is valid for writes at `(i0 + j) · n + r` for j < R and `8g <= r < min(8g +
+/// 16, n)`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn store<const R: usize>(
+    acc: &[__m512; R],
+    g: usize,
+    n: usize,
+    i0: usize,
+    y: *mut f32,
+) {
+    let r0 = g * ROWS;
+    let mask: __mmask16 = match n - r0 {
+        k if k >= 2 * ROWS => 0xFFFF,
+        k => (1u16 << k) - 1,
+    };
+    for (j, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's.
+        unsafe { _mm512_mask_storeu_ps(y.add((i0 + j) * n + r0), mask, *acc) };
     }
 }
 

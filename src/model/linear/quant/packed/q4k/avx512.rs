@@ -5,7 +5,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::avx512::{bcast, halves16, join};
+use super::super::avx512::{bcast, halves16, join, store};
 use super::super::q5k;
 use super::super::x86::x_rows;
 use super::super::ROWS;
@@ -122,15 +122,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize, const FIFTH: 
                     _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[j]), _mm512_mul_ps(dmin, dx), acc[j]);
             }
         }
-        // Columns 8g.. of each row: 16, or the real rows of a padded last group.
-        let (r0, rows) = (g * ROWS, w.rows);
-        let mask: __mmask16 = match rows - r0 {
-            k if k >= 2 * ROWS => 0xFFFF,
-            k => (1u16 << k) - 1,
-        };
-        for (j, acc) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(y.add((i0 + j) * rows + r0), mask, *acc);
-        }
+        store(&acc, g, w.rows, i0, y);
     }
 }
 
