@@ -20,12 +20,18 @@ A spec ending in "+heal" (`mqa+heal`) is converted once with `convert --heal` in
 target/healed/ and that checkpoint is evaluated and benched as it is; its conversion and
 healing seconds are convert's.
 
+With `--serve P` (smollm2: its context holds 16 × P), one more column: every available spec
+served to 16 streams of ~P-token prompts at once, warm rounds over their cached prompts,
+alternating over the specs (`scripts/bench_serve.py --long P`, all servers up together): the
+aggregate decode, where a smaller cache is read by every stream at every step. A spec converted
+at load for eval and bench is written once with `convert` into target/tradeoffs/ for it.
+
 A spec the binary refuses (non-zero exit) is listed as "not available" with its error, so
 the script can be re-run with a newer binary. Standard library only; from the repo root:
 
     python3 scripts/attention_tradeoffs.py [--bin target/release/tiny-decoder] [--rounds 3]
         [--models smollm2,stories260k] [--specs 'mqa;lowrank:128,method=svd']
-        [--dir smollm2=PATH] [--json-out FILE]
+        [--dir smollm2=PATH] [--serve 3000 [--serve-rounds 2]] [--json-out FILE]
 """
 
 import argparse
@@ -34,7 +40,10 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 MODELS = {
     "smollm2": {
@@ -114,7 +123,41 @@ def measure(binary, name, model, model_dir, specs, rounds):
     return rows
 
 
-def table(name, model, rows):
+def served(binary, name, model_dir, rows, prompt, rounds):
+    """`--serve P`: each available spec's checkpoint served to 16 streams of ~P-token prompts
+    (`bench_serve.py --long P`); its warm aggregate decode tok/s into rows[spec]["serve"]."""
+    dirs = {}
+    for spec, r in rows.items():
+        if r["error"] is not None:
+            continue
+        if spec == "original" or r["run_spec"] == "original":
+            dirs[spec] = r["dir"]
+            continue
+        out = os.path.join("target", "tradeoffs", f"{name}-{spec}")
+        shutil.rmtree(out, ignore_errors=True)
+        _, err = run(binary, "convert", model_dir, spec, "--out", out)
+        if err is None:
+            dirs[spec] = out
+        else:
+            r["serve_error"] = err
+    paths = list(dirs.values())
+    compare = [arg for p in paths[1:] for arg in ("--compare", p)]
+    out = subprocess.run([sys.executable, os.path.join(HERE, "bench_serve.py"), "--long",
+                          str(prompt), "--model", paths[0], *compare, "--rounds", str(rounds)],
+                         capture_output=True, text=True, env=dict(os.environ,
+                                                                  TINY_DECODER_BIN=binary))
+    written = [line.split("written ", 1)[1] for line in out.stderr.splitlines()
+               if line.startswith("written ")]
+    if out.returncode != 0 or not written:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"bench_serve.py --long {prompt} failed: {tail}")
+    with open(written[-1]) as f:
+        report = json.load(f)["models"]
+    for spec, d in dirs.items():
+        rows[spec]["serve"] = report[d]["warm_aggregate_tok_s"]
+
+
+def table(name, model, rows, serve=None):
     """The Markdown table of one model: ratios against its "original" row."""
     prompt, new = model["bench"]
     base = rows["original"]
@@ -131,14 +174,17 @@ def table(name, model, rows):
         return f"{s:.1f} ({s / b:.2f}×)"
 
     long_head = f"decode tok/s at {long[0] + long[1]} (vs original) | " if long else ""
+    serve_head = (f"served, 16 streams of ~{serve} positions: aggregate tok/s (vs original) | "
+                  if serve else "")
     lines = [f"| model | spec | method | KV bytes per token ({dtype}) | KV vs original | "
              f"1 GB of KV holds: tokens / 4k sequences | perplexity | ΔNLL (nats) | "
-             f"decode tok/s at {prompt + new} positions (vs original) | {long_head}"
+             f"decode tok/s at {prompt + new} positions (vs original) | {long_head}{serve_head}"
              f"conversion (s) | of which healing (s) |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if long else "") + "---|---|"]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if long else "")
+             + ("---|" if serve else "") + "---|---|"]
     for spec, r in rows.items():
         if r["error"] is not None:
-            empty = "|" * (8 if long else 7)
+            empty = "|" * (7 + bool(long) + bool(serve))
             lines.append(f"| {name} | {spec} | not available: {r['error']} {empty}|")
             continue
         ev = r["eval"]
@@ -147,10 +193,15 @@ def table(name, model, rows):
         secs = f"{ev['conversion_secs']:.2f}" if "conversion_secs" in ev else "—"
         heal = f"{ev['heal_secs']:.2f}" if "heal_secs" in ev else "—"
         long_cell = f"{speed(r, 'long_decode_tokens_per_s')} | " if long else ""
+        serve_cell = ""
+        if serve:
+            got, b = r.get("serve"), base.get("serve")
+            serve_cell = (f"{got:.1f} ({got / b:.2f}×) | " if got and b
+                          else f"— {r.get('serve_error', '')} | ")
         lines.append(f"| {name} | {spec} | {method} | {kv:,} | {kv / base_kv:.3f} | "
                      f"{10**9 // kv:,} / {10**9 // kv // 4096:,} | {ev['perplexity']:.2f} | "
                      f"{ev['mean_nll'] - base_nll:+.4f} | {speed(r, 'decode_tokens_per_s')} | "
-                     f"{long_cell}{secs} | {heal} |")
+                     f"{long_cell}{serve_cell}{secs} | {heal} |")
     return "\n".join(lines)
 
 
@@ -167,6 +218,9 @@ def main():
     ap.add_argument("--specs", help="';'-separated specs for every model, instead of its list")
     ap.add_argument("--dir", action="append", default=[], metavar="MODEL=PATH",
                     help="where a model's checkpoint is, instead of the default")
+    ap.add_argument("--serve", type=int, default=0, metavar="P",
+                    help="also serve each spec to 16 streams of ~P-token prompts (smollm2)")
+    ap.add_argument("--serve-rounds", type=int, default=2)
     ap.add_argument("--json-out", help="also write every measurement here")
     a = ap.parse_args()
     dirs = dict(d.split("=", 1) for d in a.dir)
@@ -176,9 +230,13 @@ def main():
         model = MODELS[name]
         specs = a.specs.split(";") if a.specs else model["specs"]
         specs = ["original"] + [s for s in specs if s != "original"]
-        rows = measure(a.bin, name, model, dirs.get(name, model["dir"]), specs, a.rounds)
+        model_dir = dirs.get(name, model["dir"])
+        rows = measure(a.bin, name, model, model_dir, specs, a.rounds)
+        serve = a.serve if a.serve and model["long"] else None
+        if serve:
+            served(a.bin, name, model_dir, rows, serve, a.serve_rounds)
         results[name] = rows
-        print(table(name, model, rows) + "\n", flush=True)
+        print(table(name, model, rows, serve) + "\n", flush=True)
     print(f"load average (1, 5, 15 min): {load_start} at start, {loadavg()} at end; "
           f"{a.rounds} rounds, {time.time() - start:.0f} s in all")
     if a.json_out:
