@@ -2,25 +2,13 @@
 //! f64 reference, the candle op against candle's matmul on ragged shapes, the fallbacks, and
 //! (ignored, run with `--release -- --ignored --nocapture`) a bandwidth and overhead probe.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor};
+use common::values;
 use tiny_decoder::model::linear::prefill::{self, Weights};
 use tiny_decoder::model::linear::simd::{self, Isa, IsaError, IsaKind};
 use tiny_decoder::model::linear::{matvec, route, Linear, Route};
-
-/// Deterministic values in [-1, 1) from a 64-bit LCG.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// Sets to test on this CPU: every one it supports, scalar included.
 fn isas() -> Vec<Isa> {

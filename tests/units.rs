@@ -463,18 +463,11 @@ fn a_bf16_cache_meets_the_query_rounded_where_the_cpu_multiplies_pairs() {
     }
 }
 
-/// Values of mean 0 and variance 1 (a sum of three uniforms) from `seed`, the same every run.
+/// Values of mean 0 and variance 1 (the sum of three of `common::values`, each uniform in
+/// [-1, 1)) from `seed`, the same every run.
 fn seeded_normal(shape: (usize, usize, usize, usize), seed: u64) -> Tensor {
-    let mut state = seed;
-    let mut uniform = || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    };
     let n = shape.0 * shape.1 * shape.2 * shape.3;
-    let data: Vec<f32> = (0..n)
-        .map(|_| (uniform() + uniform() + uniform() - 1.5) * 2.0)
-        .collect();
+    let u = common::values(3 * n, seed);
+    let data: Vec<f32> = u.chunks_exact(3).map(|t| t[0] + t[1] + t[2]).collect();
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }

@@ -56,6 +56,21 @@ pub fn load_dir(dir: &std::path::Path, dtype: DType) -> Loaded {
     loader::load(&files, dtype, &Device::Cpu).expect("load")
 }
 
+/// Deterministic values in [-1, 1) from a 64-bit LCG: test data that is the same every run.
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
 /// Largest absolute difference between two equally long slices.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
