@@ -204,3 +204,68 @@ fn a_dropped_pool_lets_its_helpers_go() {
         assert!(gone, "{} helper threads still alive", helper_threads());
     })
 }
+
+#[test]
+fn shares_run_every_piece_once() {
+    within_deadline(|| {
+        for helpers in [0, 1, 2] {
+            let pool = Pool::with_helpers(helpers);
+            for n in [0, 1, 2, 3, 7, 64, 1000] {
+                let ran: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.run_shares(n, &|i| {
+                    ran[i].fetch_add(1, SeqCst);
+                });
+                let counts: Vec<usize> = ran.iter().map(|c| c.load(SeqCst)).collect();
+                assert!(
+                    counts.iter().all(|&c| c == 1),
+                    "{helpers} helpers, n = {n}: {counts:?}"
+                );
+            }
+        }
+    })
+}
+
+/// A helper held up in its first piece (as a descheduled thread is) does not hold the
+/// product up: the caller, done with its own run, takes the rest of the helper's from its
+/// back. One chunk a thread, the caller would wait for the helper's run instead, and the
+/// helper here waits (up to [`WAIT`]) for the caller to have run 12 of the 16 pieces; the
+/// caller waits for the helper to start one first, so that each holds a run of its own.
+#[test]
+fn shares_of_a_held_up_thread_are_taken_over() {
+    within_deadline(|| {
+        let pool = Pool::with_helpers(1);
+        let ran: Vec<AtomicUsize> = (0..16).map(|_| AtomicUsize::new(0)).collect();
+        let (on_caller, held) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        pool.run_shares(16, &|i| {
+            if on_helper() && held.fetch_add(1, SeqCst) == 0 {
+                wait_for(|| on_caller.load(SeqCst) >= 12);
+            } else if !on_helper() {
+                // Until the helper holds a run of its own, the caller's first piece waits.
+                wait_for(|| held.load(SeqCst) > 0);
+                on_caller.fetch_add(1, SeqCst);
+            }
+            ran[i].fetch_add(1, SeqCst);
+        });
+        assert!(ran.iter().all(|c| c.load(SeqCst) == 1));
+        assert!(
+            on_caller.load(SeqCst) >= 12,
+            "the caller ran {} of 16 pieces",
+            on_caller.load(SeqCst)
+        );
+    })
+}
+
+#[test]
+fn a_panic_in_a_share_reaches_the_caller() {
+    within_deadline(|| {
+        let pool = Pool::with_helpers(1);
+        for bad in [0, 7, 15] {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.run_shares(16, &|i| assert_ne!(i, bad, "piece {bad}"));
+            }));
+            let p = r.expect_err("the panic was lost");
+            assert!(message(p.as_ref()).contains(&format!("piece {bad}")));
+        }
+        assert!(healthy_job(&pool, 4) > 0, "the pool stopped working");
+    })
+}
