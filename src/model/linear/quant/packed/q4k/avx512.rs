@@ -5,7 +5,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::avx512::{bcast, halves16, join, store};
+use super::super::avx512::{bcast, halves16, join, prefetch_pair, store};
 use super::super::q5k;
 use super::super::x86::x_rows;
 use super::super::ROWS;
@@ -50,6 +50,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize, const FIFTH: 
             let d = halves16(w.scales.as_ptr().add(u * ROWS), n * ROWS);
             let dmin = halves16(w.mins.as_ptr().add(u * ROWS), n * ROWS);
             let base = w.quants.as_ptr().add(u * group);
+            prefetch_pair(base, group, next);
             let xs = x_rows::<R>(x, i0, c * QK_K);
             let mut isum = [zero; R];
             let mut msum = [zero; R];

@@ -10,7 +10,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
-use super::super::avx512::{bcast, halves16, join, store};
+use super::super::avx512::{bcast, halves16, join, prefetch_pair, store};
 use super::super::x86::x_rows;
 use super::super::ROWS;
 use super::super::{q2k, q3k};
@@ -64,6 +64,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize, const BITS: u
                 _ => _mm512_setzero_ps(),
             };
             let base = w.quants.as_ptr().add(u * group);
+            prefetch_pair(base, group, next);
             let xs = x_rows::<R>(x, i0, c * QK_K);
             let mut isum = [zero; R];
             let mut osum = [zero; R];
