@@ -41,10 +41,9 @@ use superblocks::Superblocks;
 /// reads its run of them as one stream still (one chunk a thread, as the other products:
 /// `matvec::CHUNKS_PER_THREAD`), and the first done takes over the other's last pieces.
 /// SmolLM2-135M's Q4_K_M file (Zen 5, 2 threads), the caller's wait for the helper at the
-/// end of a job: 11% of a batched step's jobs (`bench --batch 8`) -> 3.5%, 7.5% of a decode
-/// step's -> 5%; batch 8 decode +1% (12 alternating rounds, median of the pairs' ratios),
-/// and with a busy loop on one of the two cores 835 -> 894 tok/s (3 rounds); one sequence,
-/// prompts and the 1.7B shape's Q4_0 decode within noise.
+/// end of a job: 11% of a batched step's jobs (`bench --batch 8`) -> 3.5%; batch 8 decode +1%
+/// (12 alternating rounds, median of the pairs' ratios), and with a busy loop on one of the
+/// two cores 835 -> 894 tok/s (3 rounds); prompts within noise.
 #[cfg(target_arch = "x86_64")]
 const PIECES_PER_THREAD: usize = 16;
 
@@ -135,12 +134,15 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
     if groups == 0 {
         return;
     }
-    // Whole pairs of groups a piece where the CPU has the 16-row tiles; a few pieces a
-    // thread, each run of them one stream of the weights.
+    // Whole pairs of groups a piece where the CPU has the 16-row tiles. One row of x (a
+    // decode step): one piece a thread, through `run`; more: a few pieces a thread, through
+    // `run_shares`, whose hand-out costs a product ~0.3 us more (2 threads, Zen 5), which
+    // decode's small products did not earn back (SmolLM2-135M Q4_0, 8 alternating rounds:
+    // -1.5% and -2.6% at 16 pieces a thread, -4.5% at one).
     let step = if super::vnni() { 2 } else { 1 };
-    let per = (groups.div_ceil(pool.threads() * PIECES_PER_THREAD))
-        .next_multiple_of(step)
-        .max(step);
+    let rows_of_x = x.len() / cols;
+    let pieces = pool.threads() * if rows_of_x > 1 { PIECES_PER_THREAD } else { 1 };
+    let per = groups.div_ceil(pieces).next_multiple_of(step);
     let block = tile::x_block_rows(cols);
     for (b, x) in x.chunks(block * cols).enumerate() {
         let xq = QRows::quantize_for(first.format, x, cols);
@@ -148,7 +150,7 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
         let outs: Vec<Out> = (ys.iter_mut().zip(ws))
             .map(|(y, w)| Out(y[b * block * w.rows..].as_mut_ptr()))
             .collect();
-        pool.run_shares(groups.div_ceil(per), &|c| {
+        let piece = |c: usize| {
             let (c0, c1) = (c * per, ((c + 1) * per).min(groups));
             for ((w, bound), out) in ws.iter().zip(bounds.windows(2)).zip(&outs) {
                 let (start, end) = (bound[0], bound[1]);
@@ -160,7 +162,11 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
                     unsafe { x86::rows(w, (g0 - start, g1 - start), &xq, out.0) };
                 }
             }
-        });
+        };
+        match rows_of_x {
+            1 => pool.run(groups.div_ceil(per), &piece),
+            _ => pool.run_shares(groups.div_ceil(per), &piece),
+        }
     }
 }
 
