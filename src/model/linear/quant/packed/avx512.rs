@@ -25,13 +25,18 @@ use std::arch::x86_64::*;
 /// rounds, medians): Q4_0 716 -> 836 tok/s (4 rounds; 8 KB alike, 2 KB less), in a second run
 /// 730 -> 804, and its Q4_K_M file (Q5_0 and Q8_0 here) 663 -> 729 (3 rounds); prompts
 /// within noise. One row of x (decode) takes the 8-row tiles, which read at the memory's
-/// pace already (`x86/blocks.rs`: no gain measured there, nor for the AVX2 tiles at 8 rows).
+/// pace already (`x86/blocks.rs`: no gain measured there).
 /// The scales and Q5's fifth bits, streams of their own, as far ahead, and the K-quants'
 /// 16-row tiles their superblocks likewise (Zen 5, `bench --batch 8`, alternating rounds,
 /// medians): SmolLM2's Q4_0 file +3% (8 rounds), its Q4_K_M file +3-6% for the scales and
 /// fifth bits and +6% more for the superblocks; the 1.7B shape's Q5_0 file 157 -> 174 tok/s,
 /// its Q4_K_M 102 -> 125 -> 140 (3 rounds), `--batch 4` Q6_K 51 -> 63 (4); prompts alike.
-const PREFETCH: usize = 4096;
+/// The 8-row tiles (AVX2's, AVX-VNNI's) over several rows of x the same way, one stream
+/// each ([`prefetch_one`]); on the Zen 5 host forced to them (`TINY_DECODER_ISA`), the 1.7B
+/// shape's files, 8 sequences, 2 alternating rounds: AVX2 Q4_0 93-104 -> 126-140 tok/s,
+/// Q5_0 80-83 -> 95-107, Q4_K_M 85-91 -> 122-126, Q6_K 66-70 -> 104; AVX-VNNI Q4_0 102-104
+/// -> 145-147, Q4_K_M 102 -> 134-137; 256-token prompts +3-6%; one row unchanged.
+pub(super) const PREFETCH: usize = 4096;
 
 /// Groups `g` and `g + 1` against rows `i0..i0 + R` of x, written to `y`.
 ///
@@ -80,13 +85,11 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
             prefetch_pair(p, ROWS * qb, next * qb);
             // The scales (and Q5's fifth bits) as far ahead, in blocks, as the quants.
             let ahead = at + PREFETCH / qb;
-            let sc = w.scales.as_ptr().wrapping_add(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(sc as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(sc.wrapping_add(next) as *const i8);
-            if matches!(F, Q5_0 | Q5_1) {
-                let hi = w.highs.as_ptr().wrapping_add(ahead);
-                _mm_prefetch::<_MM_HINT_T0>(hi as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(hi.wrapping_add(next) as *const i8);
+            for at in [ahead, ahead + next] {
+                prefetch_at(w.scales.as_ptr().wrapping_add(at));
+                if matches!(F, Q5_0 | Q5_1) {
+                    prefetch_at(w.highs.as_ptr().wrapping_add(at));
+                }
             }
             let xs: [*const i8; R] =
                 std::array::from_fn(|j| x.quants.as_ptr().add((i0 + j) * x.cols + c * BLOCK));
@@ -137,12 +140,25 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
 pub(super) fn prefetch_pair(p: *const u8, bytes: usize, next: usize) {
     for line in (0..bytes).step_by(64) {
         let ahead = p.wrapping_add(PREFETCH + line);
-        // SAFETY: a prefetch reads nothing and never faults, wherever it points.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(next) as *const i8);
-        }
+        prefetch_at(ahead);
+        prefetch_at(ahead.wrapping_add(next));
     }
+}
+
+/// Asks for the `bytes` at `p`, [`PREFETCH`] bytes ahead: an 8-row tile's one stream of
+/// quants, where it takes several rows of x (`x86/blocks.rs`, `q6k/x86.rs`, `q4k/x86.rs`).
+#[inline(always)]
+pub(super) fn prefetch_one(p: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        prefetch_at(p.wrapping_add(PREFETCH + line));
+    }
+}
+
+/// Asks for the cache line at `p` (`prefetcht0`).
+#[inline(always)]
+pub(super) fn prefetch_at<T>(p: *const T) {
+    // SAFETY: a prefetch reads nothing and never faults, wherever it points.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
 }
 
 /// Writes a 16-row tile's sums: `acc[j]` to row `i0 + j` of `y` (`n` columns), columns `8g..`:

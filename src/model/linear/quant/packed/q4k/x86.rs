@@ -3,6 +3,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::avx512::prefetch_one;
 use super::super::q5k;
 use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
@@ -79,6 +80,9 @@ unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
                 w.quants.as_ptr().add(u * group_bytes),
             )
         };
+        if R > 1 {
+            prefetch_one(base, group_bytes);
+        }
         let xs = x_rows::<R>(x, i0, c * QK_K);
         let mut isum = [_mm256_setzero_si256(); R];
         let mut msum = [_mm256_setzero_si256(); R];

@@ -9,6 +9,7 @@
 
 use super::super::super::kquant::QK_K;
 use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::avx512::prefetch_one;
 use super::super::x86::{bcast, dpbusd, half8, store, x_rows, MADD};
 use super::super::ROWS;
 use super::super::{q2k, q3k};
@@ -106,6 +107,9 @@ unsafe fn tile_in<const R: usize, const BITS: u8, const V: u8>(
                 w.quants.as_ptr().add(u * group),
             )
         };
+        if R > 1 {
+            prefetch_one(base, group);
+        }
         let xs = x_rows::<R>(x, i0, c * QK_K);
         let mut isum = [_mm256_setzero_si256(); R];
         let mut osum = [_mm256_setzero_si256(); R];

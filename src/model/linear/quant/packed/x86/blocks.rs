@@ -16,6 +16,7 @@
 //! `dx · Σq`.
 
 use super::super::super::{QRows, QWeight, BLOCK};
+use super::super::avx512::{prefetch_at, prefetch_one, PREFETCH};
 use super::super::ROWS;
 use super::{bcast, dpbusd, half8, store, x_rows, MADD, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use std::arch::x86_64::*;
@@ -77,6 +78,16 @@ unsafe fn tile_in<const F: u8, const R: usize, const V: u8>(
                 _ => _mm256_setzero_si256(),
             };
             let p = quants.add(c * ROWS * qb);
+            if R > 1 {
+                // Several rows of x: the tile computes long enough per block for the streams
+                // to want asking for ahead, as the 16-row tiles' (`avx512::PREFETCH`).
+                prefetch_one(p, ROWS * qb);
+                let ahead = first + c * ROWS + PREFETCH / qb;
+                prefetch_at(w.scales.as_ptr().wrapping_add(ahead));
+                if matches!(F, Q5_0 | Q5_1) {
+                    prefetch_at(w.highs.as_ptr().wrapping_add(ahead));
+                }
+            }
             let xs = x_rows::<R>(x, i0, c * BLOCK);
             let mut sums = [_mm256_setzero_si256(); R];
             if F == Q8_0 {
