@@ -2,6 +2,8 @@
 //! thread works too, helpers spin briefly between jobs and then sleep, and chunks are handed
 //! out by an atomic counter. A chunk that panics stops the job: the panic is caught where
 //! it happens and resumed in the caller once no helper is inside the job any more.
+//! [`Pool::run_shares`] (`shares.rs`) hands out a streaming loop's pieces in one run a thread
+//! instead, the first thread done taking over the others' last pieces.
 //!
 //! Why not rayon: a call from outside rayon's pool parks the caller on a latch and wakes a
 //! worker, two context switches per product (measured 12-20 µs on a shared 2-core machine,
@@ -13,6 +15,8 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
+
+mod shares;
 
 /// How long a helper polls for the next job before it sleeps on the condvar. It polls with
 /// `yield_now`, so on a busy machine it gives its core to whoever else is runnable, after its
@@ -189,81 +193,6 @@ impl Pool {
         }
         drop(guard);
         job.finish()
-    }
-
-    /// `f(p)` for every piece `p < pieces`, each once, over the caller and the helpers as
-    /// [`run`](Self::run), for loops that stream their data: the pieces fall in one run of
-    /// adjacent pieces a thread, which the first thread to come takes front to back (one
-    /// stream, as one chunk a thread reads it); a thread done with its own run takes what
-    /// is left of another's from its back, a piece at a time. So a thread that came late,
-    /// runs slower or was descheduled mid-product holds the product up by a piece, not by
-    /// its whole run. A piece that panics reaches the caller as in `run`, once the other
-    /// threads are done with the pieces they could still take.
-    pub fn run_shares(&self, pieces: usize, f: &(dyn Fn(usize) + Sync)) {
-        assert!(pieces <= u32::MAX as usize, "run_shares: {pieces} pieces");
-        let shares = self.threads().min(pieces);
-        if shares <= 1 {
-            return (0..pieces).for_each(f);
-        }
-        let runs: Vec<Run> = (0..shares)
-            .map(|s| Run::new(s * pieces / shares, (s + 1) * pieces / shares))
-            .collect();
-        let owners = AtomicUsize::new(0);
-        // Every call takes a run of its own while one is left, then pieces from the others'
-        // backs until none is left: a call that comes after the rest are taken does nothing.
-        self.run(shares, &|_| {
-            loop {
-                let s = owners.fetch_add(1, SeqCst);
-                let Some(run) = runs.get(s) else { break };
-                while let Some(p) = run.take(true) {
-                    f(p);
-                }
-            }
-            while let Some(run) = runs
-                .iter()
-                .max_by_key(|r| r.left())
-                .filter(|r| r.left() > 0)
-            {
-                if let Some(p) = run.take(false) {
-                    f(p);
-                }
-            }
-        });
-    }
-}
-
-/// What is left of a thread's run of pieces in [`Pool::run_shares`]: `front << 32 | back`,
-/// pieces `front..back`, alone on its cache line.
-#[repr(align(128))]
-struct Run(AtomicU64);
-
-impl Run {
-    fn new(front: usize, back: usize) -> Run {
-        Run(AtomicU64::new(((front as u64) << 32) | back as u64))
-    }
-
-    fn left(&self) -> u64 {
-        let v = self.0.load(SeqCst);
-        (v & u32::MAX as u64).saturating_sub(v >> 32)
-    }
-
-    /// The piece at the front (`true`) or the back, taken, or `None` if none is left.
-    fn take(&self, front: bool) -> Option<usize> {
-        let mut v = self.0.load(SeqCst);
-        loop {
-            let (a, b) = (v >> 32, v & u32::MAX as u64);
-            if a >= b {
-                return None;
-            }
-            let (next, p) = match front {
-                true => (((a + 1) << 32) | b, a),
-                false => ((a << 32) | (b - 1), b - 1),
-            };
-            match self.0.compare_exchange(v, next, SeqCst, SeqCst) {
-                Ok(_) => return Some(p as usize),
-                Err(now) => v = now,
-            }
-        }
     }
 }
 

@@ -9,7 +9,8 @@ use super::super::avx512::{bcast, halves16, join, prefetch_pair, store};
 use super::super::q5k;
 use super::super::x86::x_rows;
 use super::super::ROWS;
-use super::{nibbles_at, scales_at, GROUP_BYTES};
+use super::x86::group_bytes;
+use super::{nibbles_at, scales_at};
 use std::arch::x86_64::*;
 
 /// Groups `g` and `g + 1` of Q4_K (of Q5_K with `FIFTH`) against rows `i0..i0 + R` of x,
@@ -29,10 +30,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize, const FIFTH: 
 ) {
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
-    let group = match FIFTH {
-        true => q5k::GROUP_BYTES,
-        false => GROUP_BYTES,
-    };
+    let group = group_bytes(FIFTH);
     // Group g + 1's superblock c is n superblocks after group g's.
     let next = n * group;
     // SAFETY (every load below): both groups' superblocks hold 8 scales and minimums from

@@ -12,6 +12,14 @@ use std::arch::x86_64::*;
 
 three_forms!(pub(in crate::model::linear::quant) tile_in<const R: usize, const FIFTH: bool>);
 
+/// A group's bytes of one superblock in the packed layout: Q5_K's (`fifth`) or Q4_K's.
+pub(super) const fn group_bytes(fifth: bool) -> usize {
+    match fifth {
+        true => q5k::GROUP_BYTES,
+        false => GROUP_BYTES,
+    }
+}
+
 /// The packed kernel's tile for Q4_K, and with `FIFTH` for Q5_K (`q5k.rs`'s layout): per
 /// pair of sub-blocks, 8 loads of nibbles whose low halves are the first sub-block and high
 /// halves the second. Q5_K's load of fifth bits serves the next four loads of nibbles:
@@ -50,11 +58,7 @@ unsafe fn tile_in<const R: usize, const FIFTH: bool, const V: u8>(
     // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
     debug_assert_eq!(x.isums32.len(), x.scales.len(), "x rounded per superblock");
-    // The format's layout of a group's superblock.
-    let group_bytes = match FIFTH {
-        true => q5k::GROUP_BYTES,
-        false => GROUP_BYTES,
-    };
+    let group_bytes = group_bytes(FIFTH);
     let (low, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
     // Per 32-bit lane, its first (second) 16-bit value twice.
     let (first, second) = (

@@ -14,8 +14,8 @@ use super::super::avx512::{bcast, halves16, join, prefetch_pair, store};
 use super::super::x86::x_rows;
 use super::super::ROWS;
 use super::super::{q2k, q3k};
-use super::x86::{PAIRS, Q2, Q3, Q6, TWICE};
-use super::{highs_at, nibbles_at, scales_at, GROUP_BYTES};
+use super::x86::{group_bytes, PAIRS, Q2, Q3, Q6, TWICE};
+use super::{highs_at, nibbles_at, scales_at};
 use std::arch::x86_64::*;
 
 /// Groups `g` and `g + 1` (of the format `BITS` names: [`Q6`], [`Q3`], [`Q2`]) against rows
@@ -35,11 +35,7 @@ pub(in crate::model::linear::quant) unsafe fn tile<const R: usize, const BITS: u
 ) {
     const { assert!(matches!(BITS, Q2 | Q3 | Q6)) };
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
-    let group = match BITS {
-        Q3 => q3k::GROUP_BYTES,
-        Q2 => q2k::GROUP_BYTES,
-        _ => GROUP_BYTES,
-    };
+    let group = group_bytes(BITS);
     // Group g + 1's superblock c is n superblocks after group g's.
     let next = n * group;
     // SAFETY (every load below): both groups' superblocks hold 8 scales (Q2_K's 8 minimums

@@ -44,6 +44,15 @@ pub(in crate::model::linear::quant) const Q6: u8 = 6;
 pub(in crate::model::linear::quant) const Q3: u8 = 3;
 pub(in crate::model::linear::quant) const Q2: u8 = 2;
 
+/// A group's bytes of one superblock in the packed layout of `bits` ([`Q6`], [`Q3`], [`Q2`]).
+pub(super) const fn group_bytes(bits: u8) -> usize {
+    match bits {
+        Q3 => q3k::GROUP_BYTES,
+        Q2 => q2k::GROUP_BYTES,
+        _ => GROUP_BYTES,
+    }
+}
+
 /// The packed kernel's tile for Q6_K, Q3_K and Q2_K (`BITS`: [`Q6`], [`Q3`], [`Q2`]): per
 /// pair of 32-weight chunks, Q6_K's two nibble loads and one load of high bits make the
 /// 6-bit quants of 4 weights of each chunk twice over (the high bits to bits 4-5 by one
@@ -78,11 +87,7 @@ unsafe fn tile_in<const R: usize, const BITS: u8, const V: u8>(
     // it is only ever inlined into `tile` and its VNNI forms, whose CPUs run them.
     const { assert!(matches!(BITS, Q2 | Q3 | Q6)) };
     let (n, nb) = (w.cols / QK_K, w.cols / BLOCK);
-    let group = match BITS {
-        Q3 => q3k::GROUP_BYTES,
-        Q2 => q2k::GROUP_BYTES,
-        _ => GROUP_BYTES,
-    };
+    let group = group_bytes(BITS);
     let low = _mm256_set1_epi8(0x0F);
     // SAFETY: 32 bytes each.
     let (each, both) = unsafe {
