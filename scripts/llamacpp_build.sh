@@ -41,6 +41,15 @@ if [ ! -f "$src/CMakeLists.txt" ]; then
     tar xzf "$sdist" -C "$top/src" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 fi
 
+# On a CPU with AMX (Intel since Sapphire Rapids) the pinned sources crash at their first
+# AMX product (SIGSEGV at `ldtilecfg` in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824):
+# the tile configuration is a local whose stores the compiler may drop, and `ldtilecfg` then
+# faults on what is left. The fix of ggml-org/llama.cpp#26954, applied here: keep it in
+# static storage. Nothing else changes; idempotent.
+mmq="$src/ggml/src/ggml-cpu/amx/mmq.cpp"
+sed -i 's/^    alignas(64) tile_config_t tc = {};$/    alignas(64) static thread_local tile_config_t tc = {};/' "$mmq"
+grep -q 'static thread_local tile_config_t tc' "$mmq"
+
 cmake_bin=$(command -v cmake || true)
 if [ -z "$cmake_bin" ]; then
     venv=target/venv-llamacpp

@@ -96,6 +96,31 @@ fn avxvnni_is_avx2_with_its_dot_products() {
     assert!(warnings(&err).is_empty(), "{err}");
 }
 
+/// `amx`: the AVX-512 set with AMX's tile products in the 32-weight formats' tiles (which
+/// the child's `blocks` check runs over 16 rows of x and more); `avx512` the same set
+/// without them.
+#[test]
+fn amx_is_avx512_with_its_tile_products() {
+    if Isa::from_name("amx").is_err() {
+        return; // covered by the fallback test below
+    }
+    let (out, err) = child("amx");
+    assert!(
+        out.contains("isa=Avx512") && out.contains("amx=true"),
+        "{out}"
+    );
+    assert!(out.contains("packed products: amx"), "{out}");
+    assert!(out.contains("blocks: 10 formats"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+    let (out, err) = child("avx512");
+    assert!(
+        out.contains("isa=Avx512") && out.contains("amx=false"),
+        "{out}"
+    );
+    assert!(out.contains("packed products: avx512-vnni"), "{out}");
+    assert!(warnings(&err).is_empty(), "{err}");
+}
+
 #[test]
 fn neon_takes_rows_and_the_decode_op() {
     if Isa::new(IsaKind::Neon).is_none() {
@@ -114,7 +139,7 @@ fn neon_takes_rows_and_the_decode_op() {
 #[test]
 fn asking_for_more_than_the_cpu_has_warns_once_and_falls_back() {
     let best = format!("isa={:?}", Isa::detect().kind());
-    for value in ["avx512", "avxvnni", "avx2", "neon"] {
+    for value in ["amx", "avx512", "avxvnni", "avx2", "neon"] {
         let (out, err) = child(value);
         let kind = Isa::from_name(value).map(|isa| isa.kind());
         match kind {
@@ -141,7 +166,7 @@ fn an_unknown_name_warns_once_and_falls_back() {
         "{out}"
     );
     let want = format!(
-        "warning: {ISA_VAR}=\"sse9\" is not one of avx512, avxvnni, avx2, neon, scalar; using {}",
+        "warning: {ISA_VAR}=\"sse9\" is not one of amx, avx512, avxvnni, avx2, neon, scalar; using {}",
         detected()
     );
     assert_eq!(warnings(&err), [want.as_str()]);
@@ -184,12 +209,13 @@ fn block_formats_match_their_dequantization() -> candle_core::Result<usize> {
         GgmlDType::Q6K,
     ];
     for format in formats {
+        // 13 rows: a pair of groups and one, padded; 21 rows of x: AMX's 16 and the rest.
         let w = Tensor::randn(0f32, 1.0, (13, 768), &dev)?;
         let q = QTensor::quantize(&w, format)?;
         let dense = q.dequantize(&dev)?;
         let mut linear = Linear::new(w, None);
         assert!(linear.quantize(&Stored(q))?, "{format:?} kept dense");
-        for rows in [1, 4, 9] {
+        for rows in [1, 4, 9, 21] {
             let x = Tensor::randn(0f32, 1.0, (rows, 768), &dev)?;
             let want = x.matmul(&dense.t()?)?;
             let err = (linear.forward(&x)? - &want)?
@@ -236,6 +262,7 @@ fn child_reports_its_isa() -> candle_core::Result<()> {
     assert_eq!(Isa::current(), Isa::current());
     println!("isa={:?}", Isa::current().kind());
     println!("avx-vnni={}", simd::avx_vnni());
+    println!("amx={}", simd::amx());
     println!("packed products: {}", quant::packed_products());
     Ok(())
 }

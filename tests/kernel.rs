@@ -81,7 +81,7 @@ fn isa_names_are_checked_against_the_cpu() {
     let e = Isa::from_name("sse9").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "TINY_DECODER_ISA=\"sse9\" is not one of avx512, avxvnni, avx2, neon, scalar"
+        "TINY_DECODER_ISA=\"sse9\" is not one of amx, avx512, avxvnni, avx2, neon, scalar"
     );
     // `avxvnni` is the AVX2 set, on a CPU with AVX-VNNI.
     match Isa::from_name("avxvnni") {

@@ -420,7 +420,8 @@ pub fn vnni() -> bool {
     false
 }
 
-/// How the packed tiles multiply bytes on this CPU: `avx512-vnni`, `avx-vnni` or `avx2`;
+/// How the packed tiles multiply bytes on this CPU: `amx` (AMX's tile products over 16 rows
+/// of x and more, `avx512-vnni`'s below), `avx512-vnni`, `avx-vnni` or `avx2`;
 /// `none` where no weight is packed (off x86, or below AVX2).
 pub fn packed_products() -> &'static str {
     packed::products()

@@ -19,8 +19,9 @@
 //! in `arm`.
 
 /// The environment variable that forces a lower instruction set than the CPU's best:
-/// `avx512`, `avxvnni`, `avx2`, `neon` or `scalar` (`avxvnni`: AVX2 with AVX-VNNI's integer
-/// dot products, [`avx_vnni`]; `avx2`: AVX2's own instructions only).
+/// `amx`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar` (`amx`: the AVX-512 set with AMX's
+/// tile products, [`amx`]; `avx512`: AVX-512 without them; `avxvnni`: AVX2 with AVX-VNNI's
+/// integer dot products, [`avx_vnni`]; `avx2`: AVX2's own instructions only).
 pub const ISA_VAR: &str = "TINY_DECODER_ISA";
 
 /// The instruction sets there are kernels for, weakest first (NEON, on aarch64 only, is
@@ -47,7 +48,7 @@ pub struct Isa(IsaKind);
 /// Why [`ISA_VAR`] could not be followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
-    #[error("{ISA_VAR}={0:?} is not one of avx512, avxvnni, avx2, neon, scalar")]
+    #[error("{ISA_VAR}={0:?} is not one of amx, avx512, avxvnni, avx2, neon, scalar")]
     Unknown(String),
     #[error("{ISA_VAR}={0}: this CPU does not support it")]
     Unsupported(String),
@@ -90,11 +91,13 @@ impl Isa {
         .collect()
     }
 
-    /// The set named `name` (`avx512`, `avxvnni`, `avx2`, `neon` or `scalar`), if this CPU
-    /// supports it (`avxvnni` is the AVX2 set, on a CPU with AVX-VNNI: [`avx_vnni`]).
+    /// The set named `name` (`amx`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar`), if this
+    /// CPU supports it (`amx` is the AVX-512 set, on a CPU and OS with AMX: [`amx`];
+    /// `avxvnni` is the AVX2 set, on a CPU with AVX-VNNI: [`avx_vnni`]).
     pub fn from_name(name: &str) -> Result<Isa, IsaError> {
         let kind = match name.trim().to_ascii_lowercase().as_str() {
-            "avx512" => IsaKind::Avx512,
+            "amx" if !cpu_has_amx() => return Err(IsaError::Unsupported(name.into())),
+            "avx512" | "amx" => IsaKind::Avx512,
             "avxvnni" if !cpu_has_avx_vnni() => return Err(IsaError::Unsupported(name.into())),
             "avx2" | "avxvnni" => IsaKind::Avx2,
             "neon" => IsaKind::Neon,
@@ -142,6 +145,71 @@ pub fn avx_vnni() -> bool {
 /// is measured in `prefill::F32_GEMM_ROWS_AVX512`.
 pub fn full_width_512() -> bool {
     Isa::current().kind() == IsaKind::Avx512 && cpu_has_avx_vnni()
+}
+
+/// Whether the block formats' packed products over 16 rows of x and more take AMX's tile
+/// products (`tdpbssd`, Intel since Sapphire Rapids): where the kernels run at the AVX-512
+/// level with VNNI on a CPU and OS with AMX ([`cpu_has_amx`]), unless [`ISA_VAR`] is `avx512`.
+pub fn amx() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let plain = std::env::var(ISA_VAR).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx512"));
+        Isa::current().kind() == IsaKind::Avx512 && !plain && cpu_has_avx512_vnni() && cpu_has_amx()
+    })
+}
+
+fn cpu_has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512vnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this CPU has AMX's tiles and 8-bit products, the OS saves the tiles' state (XCR0
+/// bits 17 and 18), and it lets this process use them (Linux asks each process to request
+/// the tile data's state, `arch_prctl(ARCH_REQ_XCOMP_PERM)`; without it the first tile
+/// instruction faults). Asked once; std's `is_x86_feature_detected!` has no stable AMX names.
+fn cpu_has_amx() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            use std::arch::x86_64::{__cpuid, __cpuid_count};
+            // SAFETY: CPUID runs on every x86-64 CPU (a safe function since Rust 1.91).
+            #[allow(unused_unsafe)]
+            let (max, leaf1, leaf7) = unsafe { (__cpuid(0).eax, __cpuid(1), __cpuid_count(7, 0)) };
+            // Leaf 7's EDX: bit 24 AMX-TILE, bit 25 AMX-INT8. Leaf 1's ECX bit 27: OSXSAVE.
+            let tiles = max >= 7 && leaf7.edx & (3 << 24) == 3 << 24;
+            if !tiles || leaf1.ecx & (1 << 27) == 0 {
+                return false;
+            }
+            // SAFETY: OSXSAVE is set, so XGETBV runs.
+            let xcr0 = unsafe { xcr0() };
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a request for a permission; it touches no memory of ours.
+            let granted = unsafe {
+                libc::syscall(
+                    libc::SYS_arch_prctl,
+                    ARCH_REQ_XCOMP_PERM,
+                    XFEATURE_XTILEDATA,
+                )
+            } == 0;
+            xcr0 & (3 << 17) == 3 << 17 && granted
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// XCR0, the state components the OS saves.
+///
+/// # Safety
+/// The CPU has OSXSAVE (CPUID leaf 1, ECX bit 27).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    std::arch::x86_64::_xgetbv(0)
 }
 
 fn cpu_has_avx_vnni() -> bool {

@@ -55,6 +55,7 @@ pub(super) fn products() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     if wanted(Format::Q4_0) {
         return match x86::form() {
+            x86::EVEX if crate::model::linear::simd::amx() => "amx",
             x86::EVEX => "avx512-vnni",
             x86::VEX => "avx-vnni",
             _ => "avx2",
@@ -143,7 +144,10 @@ pub(super) fn product_each(ws: &[&QWeight], x: &[f32], ys: &mut [&mut [f32]]) {
     let rows_of_x = x.len() / cols;
     let pieces = pool.threads() * if rows_of_x > 1 { PIECES_PER_THREAD } else { 1 };
     let per = groups.div_ceil(pieces).next_multiple_of(step);
-    let block = tile::x_block_rows(cols);
+    let block = match crate::model::linear::simd::amx() {
+        true => amx::x_block_rows(cols),
+        false => tile::x_block_rows(cols),
+    };
     for (b, x) in x.chunks(block * cols).enumerate() {
         let xq = QRows::quantize_for(first.format, x, cols);
         // This block's rows of each y.
@@ -351,6 +355,8 @@ fn unit_at(packed: bool, nb: usize, qb: usize, b: usize, v: usize) -> usize {
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 pub(super) mod x86;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod parts;

@@ -1,8 +1,8 @@
 //! The packed layout holds the same weights as the rows, and its kernel (where the CPU has
 //! AVX2: each set of tiles it runs) and the scalar loop over it equal x times the
 //! dequantized weights: every packed format, weight rows that are not a multiple of 8 (a
-//! pair of groups, a pair and one), 1 to 17 rows of x (the tile's 4, or Q6_K's, Q3_K's and
-//! Q2_K's 8 with AVX-512 VNNI, then 4, and the single rows after them).
+//! pair of groups, a pair and one), 1 to 37 rows of x (the tile's 4, or Q6_K's, Q3_K's and
+//! Q2_K's 8 with AVX-512 VNNI, then 4, and the single rows after them; AMX's 16 before them).
 
 use super::super::{Format, QRows, QWeight, BLOCK};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -61,20 +61,22 @@ fn products(q: &QWeight, x: &[f32]) -> Vec<(&'static str, Vec<f32>)> {
         use crate::model::linear::simd::{Isa, IsaKind};
         let vnni = Isa::detect().kind() == IsaKind::Avx512 && super::super::tile::vnni::available();
         let avx_vnni = Isa::detect().has_avx2() && std::arch::is_x86_feature_detected!("avxvnni");
+        let amx = vnni && crate::model::linear::simd::amx();
         let sets = [
-            ("avx2 tiles", MADD, false, Isa::detect().has_avx2()),
-            ("vnni tiles", EVEX, false, vnni),
-            ("vnni pairs", EVEX, true, vnni),
-            ("avx-vnni tiles", VEX, false, avx_vnni),
+            ("avx2 tiles", MADD, false, false, Isa::detect().has_avx2()),
+            ("vnni tiles", EVEX, false, false, vnni),
+            ("vnni pairs", EVEX, true, false, vnni),
+            ("amx tiles", EVEX, true, true, amx),
+            ("avx-vnni tiles", VEX, false, false, avx_vnni),
         ];
-        for (name, dot, pairs, runs) in sets {
+        for (name, dot, pairs, amx, runs) in sets {
             if !runs {
                 continue;
             }
             let xq = QRows::quantize_for(q.format, x, q.cols);
             let mut y = vec![f32::NAN; m * q.rows];
             let groups = (0, q.rows.div_ceil(super::ROWS));
-            let tiles = super::x86::tiles(q.format, dot, pairs);
+            let tiles = super::x86::tiles(q.format, dot, pairs, amx);
             // SAFETY: the CPU has AVX2 (and the VNNI of `dot` where asked); q is packed and
             // its planes fit (the constructors and `repacked`); xq holds m rows of its width;
             // y is m × rows.
@@ -138,7 +140,7 @@ fn packed_products_equal_the_dequantized_product() {
             let cols = blocks * BLOCK;
             let q = weight(f, rows, cols, 2).repacked(true);
             let dense = q.dequantize();
-            for m in [1, 2, 4, 5, 9, 13, 17] {
+            for m in [1, 2, 4, 5, 9, 13, 16, 17, 37] {
                 let x = data(m * cols, 3 + m as u32);
                 let xq = QRows::quantize_for(format, &x, cols);
                 let kernels = products(&q, &x);
@@ -169,8 +171,8 @@ fn packed_products_equal_the_dequantized_product() {
 }
 
 /// The sums' 16-bit bounds at their worst: every quant at its largest (Q8_0's −128 from a
-/// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (the tile's 4,
-/// or Q6_K's, Q3_K's and Q2_K's 8, and the single row after them).
+/// file), x at ±127 everywhere, whole groups of rows (16) and several x rows (AMX's 16, the
+/// tile's 4, or Q6_K's, Q3_K's and Q2_K's 8, and the single row after them).
 #[test]
 fn extreme_blocks_stay_within_the_sums_bounds() {
     let (rows, cols) = (16, 256);
@@ -240,7 +242,7 @@ fn extreme_blocks_stay_within_the_sums_bounds() {
             .repacked(true);
         let dense = q.dequantize();
         for sign in [1.0f32, -1.0] {
-            let m = 9;
+            let m = 17;
             let x = vec![sign; m * cols];
             for (name, y) in products(&q, &x) {
                 for (i, got) in y.iter().enumerate() {

@@ -146,6 +146,11 @@ const RX_PAIR: usize = 8;
 /// is compiled for its own instruction set.
 pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32);
 
+/// AMX's tiles of a pair of groups: as a [`Tile`], over as many whole tiles of 16 rows of x
+/// from `i0` as there are; returns the rows it took.
+pub(super) type AmxTiles =
+    unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y: *mut f32) -> usize;
+
 /// Groups `g0..g1` of 8 weight rows of `y (M, w.rows) = x · wᵀ`, every row of x, by the
 /// tiles of the best form this CPU runs ([`EVEX`] on AVX-512 CPUs with VNNI, with the 16-row
 /// tiles; [`VEX`] with AVX-VNNI; else [`MADD`]).
@@ -157,8 +162,9 @@ pub(super) type Tile = unsafe fn(w: &QWeight, g: usize, x: &QRows, i0: usize, y:
 /// nothing else touches meanwhile.
 pub unsafe fn rows(w: &QWeight, groups: (usize, usize), x: &QRows, y: *mut f32) {
     let dot = form();
+    let amx = dot == EVEX && crate::model::linear::simd::amx();
     // SAFETY: the caller's; `tiles` chose for this CPU.
-    unsafe { rows_with(&tiles(w.format, dot, dot == EVEX), w, groups, x, y) }
+    unsafe { rows_with(&tiles(w.format, dot, dot == EVEX, amx), w, groups, x, y) }
 }
 
 /// A format's tiles: for `rows` rows of x and for one, of a group of 8 rows, and where the
@@ -177,6 +183,10 @@ pub(super) struct Tiles {
     /// Two adjacent groups against [`RX_PAIR`] rows, against `RX` and against one, where the
     /// CPU has AVX-512 VNNI (the 32-weight formats' and the K-quants'), else none.
     pair: Option<(Tile, Tile, Tile)>,
+    /// Two adjacent groups against rows of x in whole tiles of [`super::amx::RX`] by AMX's
+    /// tile products, where the CPU has them (the 32-weight formats'), else none; the rows
+    /// it leaves take `pair`'s tiles.
+    amx: Option<AmxTiles>,
 }
 
 /// [`rows`] with the tiles given (the tests run each set the CPU has).
@@ -192,6 +202,9 @@ pub(super) unsafe fn rows_with(
 ) {
     debug_assert!(w.packed && x.cols == w.cols);
     let m = x.quants.len() / w.cols;
+    let amx = tiles.amx.filter(|_| m >= super::amx::RX);
+    // SAFETY: `tiles` has an AMX tile only where the CPU runs it (the caller's).
+    let _config = amx.map(|_| unsafe { super::amx::Config::load() });
     // Pairs only for `RX` rows of x and more: at one row (decode) the 8-row tiles read the
     // weights faster (Zen 5, 4 matrices of 8192 x 2048 taken in turn, `probe_packed_decode`:
     // Q4_0 36 against 57 GB/s, Q8_0 42 against 49; the 1.7B shape's Q4_0 file decoded at
@@ -204,6 +217,10 @@ pub(super) unsafe fn rows_with(
             _ => (tiles.rx, tiles.one, 1, tiles.rows, tiles.mid),
         };
         let mut i = 0;
+        if let Some(amx) = amx.filter(|_| step == 2) {
+            // SAFETY: as below, for rows i.. of x; the tiles are configured.
+            i += unsafe { amx(w, g, x, i, y) };
+        }
         while i + rows <= m {
             // SAFETY: the caller's; rows i..i + rows of x exist; groups g..g + step are the
             // caller's.
@@ -223,9 +240,9 @@ pub(super) unsafe fn rows_with(
     }
 }
 
-/// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), and the 16-row ones
-/// where `pairs` (with [`EVEX`] only).
-pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
+/// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), the 16-row ones
+/// where `pairs` (with [`EVEX`] only), and AMX's where `amx` too (the 32-weight formats).
+pub(super) fn tiles(format: Format, dot: u8, pairs: bool, amx: bool) -> Tiles {
     use super::q4k::x86 as q4k;
     use super::q6k::x86::{Q2, Q3, Q6};
     match format {
@@ -265,12 +282,23 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool) -> Tiles {
         Format::Q5_1 => Some(pair::<Q5_1>()),
         _ => None,
     };
+    use super::amx::tiles as amx_tiles;
+    let amx = match format {
+        _ if !(pair.is_some() && amx) => None,
+        Format::Q8_0 => Some(amx_tiles::<Q8_0> as AmxTiles),
+        Format::Q4_0 => Some(amx_tiles::<Q4_0> as AmxTiles),
+        Format::Q4_1 => Some(amx_tiles::<Q4_1> as AmxTiles),
+        Format::Q5_0 => Some(amx_tiles::<Q5_0> as AmxTiles),
+        Format::Q5_1 => Some(amx_tiles::<Q5_1> as AmxTiles),
+        _ => None,
+    };
     Tiles {
         rx,
         rows: RX,
         one,
         mid: None,
         pair,
+        amx,
     }
 }
 
@@ -305,6 +333,7 @@ fn sub16<const BITS: u8>(dot: u8, pairs: bool) -> Tiles {
         one,
         mid,
         pair,
+        amx: None,
     }
 }
 
