@@ -187,6 +187,14 @@ pub(super) struct Tiles {
     /// tile products, where the CPU has them (the 32-weight formats'), else none; the rows
     /// it leaves take `pair`'s tiles.
     amx: Option<AmxTiles>,
+    /// Whether one row of x (a decode step) takes `pair`'s tiles too, not the 8-row ones:
+    /// where the CPU has AMX, whose cores (Intel's server cores) run the 512-bit tile faster
+    /// there, as decode is bound by the arithmetic, not by the memory. A Sapphire Rapids-class
+    /// Xeon VM, 2 threads, SmolLM2-135M's files, `bench` decode, tok/s, 8-row tiles / pairs
+    /// (alternating runs): Q4_0 156 / 222-234, Q8_0 126-131 / 139-151, Q4_1 122-150 /
+    /// 197-213, Q5_0 134-141 / 191-206, Q4_K_M 122-141 / 194-202, Q6_K 125-127 / 136-145. On
+    /// Zen 5 the 8-row tiles read faster (`rows_with`), and stay.
+    pairs_at_one: bool,
 }
 
 /// [`rows`] with the tiles given (the tests run each set the CPU has).
@@ -205,15 +213,17 @@ pub(super) unsafe fn rows_with(
     let amx = tiles.amx.filter(|_| m >= super::amx::RX);
     // SAFETY: `tiles` has an AMX tile only where the CPU runs it (the caller's).
     let _config = amx.map(|_| unsafe { super::amx::Config::load() });
-    // Pairs only for `RX` rows of x and more: at one row (decode) the 8-row tiles read the
-    // weights faster (Zen 5, 4 matrices of 8192 x 2048 taken in turn, `probe_packed_decode`:
+    // Pairs only for `RX` rows of x and more (but `pairs_at_one`): at one row (decode) the
+    // 8-row tiles read the weights faster (Zen 5, 4 matrices of 8192 x 2048 taken in turn, `probe_packed_decode`:
     // Q4_0 36 against 57 GB/s, Q8_0 42 against 49; the 1.7B shape's Q4_0 file decoded at
     // 33 against 40 tok/s), the one stream a thread reads instead of two.
     let mut g = g0;
     while g < g1 {
         let (rx, one, step, rows, mid) = match tiles.pair {
             Some((rx, mid, one)) if g + 1 < g1 && m >= RX_PAIR => (rx, one, 2, RX_PAIR, Some(mid)),
-            Some((_, rx, one)) if g + 1 < g1 && m >= RX => (rx, one, 2, RX, None),
+            Some((_, rx, one)) if g + 1 < g1 && (m >= RX || tiles.pairs_at_one) => {
+                (rx, one, 2, RX, None)
+            }
             _ => (tiles.rx, tiles.one, 1, tiles.rows, tiles.mid),
         };
         let mut i = 0;
@@ -241,14 +251,15 @@ pub(super) unsafe fn rows_with(
 }
 
 /// The tiles for `format` in form `dot` ([`MADD`], [`EVEX`] or [`VEX`]), the 16-row ones
-/// where `pairs` (with [`EVEX`] only), and AMX's where `amx` too (the 32-weight formats).
+/// where `pairs` (with [`EVEX`] only), and where `amx` too AMX's (the 32-weight formats) and
+/// the 16-row ones for one row of x ([`Tiles::pairs_at_one`]).
 pub(super) fn tiles(format: Format, dot: u8, pairs: bool, amx: bool) -> Tiles {
     use super::q4k::x86 as q4k;
     use super::q6k::x86::{Q2, Q3, Q6};
     match format {
-        Format::Q6K => return sub16::<Q6>(dot, pairs),
-        Format::Q3K => return sub16::<Q3>(dot, pairs),
-        Format::Q2K => return sub16::<Q2>(dot, pairs),
+        Format::Q6K => return sub16::<Q6>(dot, pairs, amx),
+        Format::Q3K => return sub16::<Q3>(dot, pairs, amx),
+        Format::Q2K => return sub16::<Q2>(dot, pairs, amx),
         _ => {}
     }
     let (rx, one): (Tile, Tile) = match (format, dot) {
@@ -283,7 +294,7 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool, amx: bool) -> Tiles {
         _ => None,
     };
     use super::amx::tiles as amx_tiles;
-    let amx = match format {
+    let amx_tiles = match format {
         _ if !(pair.is_some() && amx) => None,
         Format::Q8_0 => Some(amx_tiles::<Q8_0> as AmxTiles),
         Format::Q4_0 => Some(amx_tiles::<Q4_0> as AmxTiles),
@@ -297,15 +308,16 @@ pub(super) fn tiles(format: Format, dot: u8, pairs: bool, amx: bool) -> Tiles {
         rows: RX,
         one,
         mid: None,
+        pairs_at_one: pair.is_some() && amx,
         pair,
-        amx,
+        amx: amx_tiles,
     }
 }
 
 /// The tiles of a K-quant with 16-weight sub-blocks (`q6k`'s, `BITS` names which) in form
 /// `dot`: of [`RX_SUB16_VNNI`] rows with AVX-512 VNNI, else of [`RX`]; with AVX-512 VNNI and
 /// `pairs`, its 16-row tiles too (`q6k/avx512.rs`).
-fn sub16<const BITS: u8>(dot: u8, pairs: bool) -> Tiles {
+fn sub16<const BITS: u8>(dot: u8, pairs: bool, amx: bool) -> Tiles {
     use super::q6k::{avx512, x86 as q6k};
     let (rx, rows, one, mid): (Tile, usize, Tile, Option<Tile>) = match dot {
         EVEX => (
@@ -332,6 +344,7 @@ fn sub16<const BITS: u8>(dot: u8, pairs: bool) -> Tiles {
         rows,
         one,
         mid,
+        pairs_at_one: pair.is_some() && amx,
         pair,
         amx: None,
     }
