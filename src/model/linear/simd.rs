@@ -18,9 +18,11 @@
 //! scalar reference read as one contract; the AVX-512 and AVX2 forms are in `x86`, NEON's
 //! in `arm`.
 
+use amx::cpu_has_amx;
+
 /// The environment variable that forces a lower instruction set than the CPU's best:
 /// `amx`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar` (`amx`: the AVX-512 set with AMX's
-/// tile products, [`amx`]; `avx512`: AVX-512 without them; `avxvnni`: AVX2 with AVX-VNNI's
+/// tile products, [`amx()`]; `avx512`: AVX-512 without them; `avxvnni`: AVX2 with AVX-VNNI's
 /// integer dot products, [`avx_vnni`]; `avx2`: AVX2's own instructions only).
 pub const ISA_VAR: &str = "TINY_DECODER_ISA";
 
@@ -92,7 +94,7 @@ impl Isa {
     }
 
     /// The set named `name` (`amx`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar`), if this
-    /// CPU supports it (`amx` is the AVX-512 set, on a CPU and OS with AMX: [`amx`];
+    /// CPU supports it (`amx` is the AVX-512 set, on a CPU and OS with AMX: [`amx()`];
     /// `avxvnni` is the AVX2 set, on a CPU with AVX-VNNI: [`avx_vnni`]).
     pub fn from_name(name: &str) -> Result<Isa, IsaError> {
         let kind = match name.trim().to_ascii_lowercase().as_str() {
@@ -148,68 +150,15 @@ pub fn full_width_512() -> bool {
 }
 
 /// Whether the block formats' packed products over 16 rows of x and more take AMX's tile
-/// products (`tdpbssd`, Intel since Sapphire Rapids): where the kernels run at the AVX-512
-/// level with VNNI on a CPU and OS with AMX ([`cpu_has_amx`]), unless [`ISA_VAR`] is `avx512`.
+/// products (`tdpbssd`, Intel since Sapphire Rapids, all of which have AVX-512 VNNI too):
+/// where the kernels run at the AVX-512 level on a CPU and OS with AMX
+/// (`simd/amx.rs`), unless [`ISA_VAR`] is `avx512`.
 pub fn amx() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let plain = std::env::var(ISA_VAR).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx512"));
-        Isa::current().kind() == IsaKind::Avx512 && !plain && cpu_has_avx512_vnni() && cpu_has_amx()
+        Isa::current().kind() == IsaKind::Avx512 && !plain && cpu_has_amx()
     })
-}
-
-fn cpu_has_avx512_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return is_x86_feature_detected!("avx512vnni");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// Whether this CPU has AMX's tiles and 8-bit products, the OS saves the tiles' state (XCR0
-/// bits 17 and 18), and it lets this process use them (Linux asks each process to request
-/// the tile data's state, `arch_prctl(ARCH_REQ_XCOMP_PERM)`; without it the first tile
-/// instruction faults). Asked once; std's `is_x86_feature_detected!` has no stable AMX names.
-fn cpu_has_amx() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        {
-            use std::arch::x86_64::{__cpuid, __cpuid_count};
-            // SAFETY: CPUID runs on every x86-64 CPU (a safe function since Rust 1.91).
-            #[allow(unused_unsafe)]
-            let (max, leaf1, leaf7) = unsafe { (__cpuid(0).eax, __cpuid(1), __cpuid_count(7, 0)) };
-            // Leaf 7's EDX: bit 24 AMX-TILE, bit 25 AMX-INT8. Leaf 1's ECX bit 27: OSXSAVE.
-            let tiles = max >= 7 && leaf7.edx & (3 << 24) == 3 << 24;
-            if !tiles || leaf1.ecx & (1 << 27) == 0 {
-                return false;
-            }
-            // SAFETY: OSXSAVE is set, so XGETBV runs.
-            let xcr0 = unsafe { xcr0() };
-            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-            const XFEATURE_XTILEDATA: libc::c_long = 18;
-            // SAFETY: a request for a permission; it touches no memory of ours.
-            let granted = unsafe {
-                libc::syscall(
-                    libc::SYS_arch_prctl,
-                    ARCH_REQ_XCOMP_PERM,
-                    XFEATURE_XTILEDATA,
-                )
-            } == 0;
-            xcr0 & (3 << 17) == 3 << 17 && granted
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-        false
-    })
-}
-
-/// XCR0, the state components the OS saves.
-///
-/// # Safety
-/// The CPU has OSXSAVE (CPUID leaf 1, ECX bit 27).
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-#[target_feature(enable = "xsave")]
-unsafe fn xcr0() -> u64 {
-    std::arch::x86_64::_xgetbv(0)
 }
 
 fn cpu_has_avx_vnni() -> bool {
@@ -495,6 +444,7 @@ fn dot_bf16_pairs(x: &[u16], row: &[u16], from: usize) -> f32 {
     acc.iter().sum()
 }
 
+mod amx;
 #[cfg(target_arch = "aarch64")]
 mod arm;
 #[cfg(target_arch = "x86_64")]

@@ -16,7 +16,7 @@
 //! it. Tile instructions are written in `asm!`: Rust's AMX intrinsics are not stable.
 
 use super::super::{QRows, QWeight, BLOCK};
-use super::avx512::{halves16, join, prefetch_at, prefetch_pair, store, PREFETCH};
+use super::avx512::{halves16, join, nibbles, prefetch_at, prefetch_pair, store, PREFETCH};
 use super::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::ROWS;
 use std::arch::asm;
@@ -99,7 +99,6 @@ struct Scratch<T: Copy, const N: usize>([T; N]);
 /// # Safety
 /// As `x86::rows` for both groups (each exists), for rows `i0..` of x; the CPU has AVX-512
 /// (F, BW, VL, VNNI) and AMX, and this thread's tiles are configured ([`Config`]).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn tiles<const F: u8>(
     w: &QWeight,
     g: usize,
@@ -112,18 +111,48 @@ pub(super) unsafe fn tiles<const F: u8>(
     if whole == 0 {
         return 0;
     }
-    let mut wt = vec![Scratch([0u8; 512]); nb];
+    WEIGHTS.with_borrow_mut(|wt| {
+        if wt.len() < nb {
+            wt.resize(nb, Scratch([0u8; 512]));
+        }
+        // SAFETY: the caller's; the scratch is this thread's. (A closure is compiled without
+        // this function's target features: `unpacked` has them.)
+        unsafe { unpacked::<F>(w, g, x, (i0, i0 + whole), &mut wt[..nb], y) }
+    });
+    whole
+}
+
+/// [`tiles`] over rows `i0..i1` of x (whole tiles), the pair's blocks unpacked into `wt`.
+///
+/// # Safety
+/// As [`tiles`]; `wt` holds a tile for each block.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn unpacked<const F: u8>(
+    w: &QWeight,
+    g: usize,
+    x: &QRows,
+    (i0, i1): (usize, usize),
+    wt: &mut [Scratch<u8, 512>],
+    y: *mut f32,
+) {
     // SAFETY (every call below): the caller's, for blocks c < nb of both groups and x's
-    // rows i0..i0 + whole; the scratch is this function's.
+    // rows i0..i1; each block's tile written before it is read.
     unsafe {
         for (c, b) in wt.iter_mut().enumerate() {
             unpack::<F>(w, g, c, b.0.as_mut_ptr());
         }
-        for i in (i0..i0 + whole).step_by(RX) {
-            tile::<F>(w, g, x, i, &wt, y);
+        for i in (i0..i1).step_by(RX) {
+            tile::<F>(w, g, x, i, wt, y);
         }
     }
-    whole
+}
+
+thread_local! {
+    /// A pool thread's unpacked weights of a pair of groups, a tile a block ([`tiles`]):
+    /// kept, not allocated and zeroed for every pair (16 rows of x, a batched step of 16
+    /// sequences, run over a pair's tiles once).
+    static WEIGHTS: std::cell::RefCell<Vec<Scratch<u8, 512>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Groups `g` and `g + 1` (their blocks unpacked in `wt`) against rows `i0..i0 + 16` of x.
@@ -190,7 +219,7 @@ unsafe fn unpack<const F: u8>(w: &QWeight, g: usize, c: usize, b: *mut u8) {
             }
             return;
         }
-        let (low, fifth) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
+        // Q4_0 and Q5_0 signed (q − 8, q − 16); Q4_1 and Q5_1 as they are.
         let offset = _mm512_set1_epi8(match F {
             Q4_0 => 8,
             Q5_0 => 16,
@@ -201,16 +230,7 @@ unsafe fn unpack<const F: u8>(w: &QWeight, g: usize, c: usize, b: *mut u8) {
             _ => _mm512_setzero_si512(),
         };
         for v in 0..BLOCK / 8 {
-            let raw = join(p.add(32 * v), next * qb);
-            let mut lo = _mm512_and_si512(raw, low);
-            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
-            if matches!(F, Q5_0 | Q5_1) {
-                // Bits 8j + v and 8j + 4 + v to bit 4 of byte j (`x86::tile_in`).
-                let up = _mm512_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
-                let down = _mm512_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
-                lo = _mm512_or_si512(lo, _mm512_and_si512(up, fifth));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(down, fifth));
-            }
+            let (lo, hi) = nibbles::<F>(join(p.add(32 * v), next * qb), highs, v);
             // Weights 4v.. of the block, and 16 + 4v.. (a nibble byte's high half).
             _mm512_store_si512(b.add(64 * v) as *mut _, _mm512_sub_epi8(lo, offset));
             _mm512_store_si512(b.add(64 * (v + 4)) as *mut _, _mm512_sub_epi8(hi, offset));

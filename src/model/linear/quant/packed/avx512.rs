@@ -61,11 +61,7 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
     // bits) and nb · 8 · qb quant bytes from where they start; x's rows i0..i0 + R hold nb
     // blocks each; the stores are the caller's.
     unsafe {
-        let (low, fifth, zero) = (
-            _mm512_set1_epi8(0x0F),
-            _mm512_set1_epi8(0x10),
-            _mm512_setzero_si512(),
-        );
+        let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); R];
         for c in 0..nb {
             let at = first + c * ROWS;
@@ -104,16 +100,7 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
                 }
             } else {
                 for v in 0..BLOCK / 8 {
-                    let raw = join(p.add(32 * v), next * qb);
-                    let mut lo = _mm512_and_si512(raw, low);
-                    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
-                    if matches!(F, Q5_0 | Q5_1) {
-                        // Bits 8j + v and 8j + 4 + v to bit 4 of byte j (`x86::tile_in`).
-                        let up = _mm512_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
-                        let down = _mm512_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
-                        lo = _mm512_or_si512(lo, _mm512_and_si512(up, fifth));
-                        hi = _mm512_or_si512(hi, _mm512_and_si512(down, fifth));
-                    }
+                    let (lo, hi) = nibbles::<F>(join(p.add(32 * v), next * qb), highs, v);
                     for j in 0..R {
                         let (xl, xh) = (bcast(xs[j].add(4 * v)), bcast(xs[j].add(16 + 4 * v)));
                         sums[j] = _mm512_dpbusd_epi32(sums[j], lo, xl);
@@ -131,6 +118,33 @@ pub(super) unsafe fn tile<const F: u8, const R: usize>(
         }
         store(&acc, g, w.rows, i0, y);
     }
+}
+
+/// The weights of unit `v` of a nibble format's block in two groups (`raw`, as [`join`]
+/// reads them): `lo` the low nibbles (weights `4v..4v + 4` of each row), `hi` the high ones
+/// (`16 + 4v..`), with Q5's fifth bits from `highs` (the two groups' `highs` of the block,
+/// joined; ignored for Q4_0 and Q4_1), unsigned 0..15 or 0..31.
+///
+/// # Safety
+/// AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(super) unsafe fn nibbles<const F: u8>(
+    raw: __m512i,
+    highs: __m512i,
+    v: usize,
+) -> (__m512i, __m512i) {
+    let (low, fifth) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
+    let mut lo = _mm512_and_si512(raw, low);
+    let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low);
+    if matches!(F, Q5_0 | Q5_1) {
+        // Bits 8j + v and 8j + 4 + v to bit 4 of byte j (`x86::tile_in`).
+        let up = _mm512_sll_epi32(highs, _mm_cvtsi32_si128(4 - v as i32));
+        let down = _mm512_srl_epi32(highs, _mm_cvtsi32_si128(v as i32));
+        lo = _mm512_or_si512(lo, _mm512_and_si512(up, fifth));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(down, fifth));
+    }
+    (lo, hi)
 }
 
 /// Asks for the `bytes` at `p` and at `p + next`, [`PREFETCH`] bytes ahead (`prefetcht0`):
