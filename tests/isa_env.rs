@@ -2,12 +2,12 @@
 //! per process, so each case runs this test binary again with the variable set, in the
 //! ignored `child_reports_its_isa`, and checks what that printed.
 
-use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::process::Command;
 use tiny_decoder::model::attention::decode;
 use tiny_decoder::model::linear::simd::{self, Isa, IsaKind, ISA_VAR};
-use tiny_decoder::model::linear::{quant, route, Blocks, Linear, Quantizer, Route};
+use tiny_decoder::model::linear::{quant, route, Blocks, Linear, Quantizer, Route, StoredBlocks};
 
 /// The child's stdout and stderr, run with `TINY_DECODER_ISA=value`; panics if it failed.
 fn child(value: &str) -> (String, String) {
@@ -177,11 +177,11 @@ struct Stored(QTensor);
 
 impl Quantizer for Stored {
     fn blocks(&self, _: Option<&str>) -> candle_core::Result<Option<Blocks>> {
-        let (rows, cols) = self.0.shape().dims2()?;
-        let data = self.0.data()?.into_owned();
-        let storage =
-            QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, self.0.dtype())?;
-        Ok(Some(Blocks::Stored(QTensor::new(storage, (rows, cols))?)))
+        Ok(Some(Blocks::Stored(StoredBlocks {
+            dtype: self.0.dtype(),
+            dims: self.0.shape().dims().to_vec(),
+            bytes: self.0.data()?.into_owned(),
+        })))
     }
 
     fn label(&self) -> GgmlDType {

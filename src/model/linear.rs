@@ -18,7 +18,9 @@ use candle_core::quantized::QTensor;
 use candle_core::{CpuStorage, DType, Module, Result, Storage, Tensor, D};
 use candle_nn::VarBuilder;
 use quant::QWeight;
-pub use quantizer::{is_head, our_format, quantize_all, stored_weight, Blocks, Quantizer};
+pub use quantizer::{
+    is_head, our_format, quantize_all, stored_weight, Blocks, Quantizer, StoredBlocks,
+};
 use simd::Isa;
 use std::sync::Arc;
 
@@ -116,7 +118,7 @@ impl Linear {
         };
         let q = match &blocks {
             Blocks::Made(q) => *q,
-            Blocks::Stored(t) => t.dtype(),
+            Blocks::Stored(t) => t.dtype,
         };
         if w.rank() != 2 || !w.dim(1)?.is_multiple_of(q.block_size()) {
             return match stand_in {
@@ -136,25 +138,19 @@ impl Linear {
                 Weight::Blocks(Arc::new(q))
             }
             (Blocks::Made(q), None) => Weight::Quantized(Arc::new(QTensor::quantize(w, q)?)),
-            (Blocks::Stored(t), _) if t.shape().dims() != [rows, cols] => {
+            (Blocks::Stored(t), _) if t.dims != [rows, cols] => {
                 return Err(candle_core::Error::Msg(format!(
                     "stored blocks {:?} do not match the weight's shape {:?}",
-                    t.shape(),
+                    t.dims,
                     w.shape()
                 )))
             }
             (Blocks::Stored(t), Some(format)) => {
-                let q = QWeight::from_ggml(format, rows, cols, &t.data()?)
+                let q = QWeight::from_ggml(format, rows, cols, &t.bytes)
                     .ok_or_else(|| unreadable("stored blocks"))?;
                 Weight::Blocks(Arc::new(q))
             }
-            (Blocks::Stored(t), None) if t.device().same_device(&dev) => {
-                Weight::Quantized(Arc::new(t))
-            }
-            (Blocks::Stored(t), None) => {
-                let storage = candle_core::quantized::QStorage::from_data(t.data()?, &dev, q)?;
-                Weight::Quantized(Arc::new(QTensor::new(storage, (rows, cols))?))
-            }
+            (Blocks::Stored(t), None) => Weight::Quantized(Arc::new(t.into_qtensor(&dev)?)),
         };
         Ok(true)
     }

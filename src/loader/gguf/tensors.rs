@@ -5,9 +5,9 @@
 //! weight with `--dtype f32|bf16|q8_0|q4_0`), and as the file's own blocks for the
 //! projections and the LM head with `--dtype auto` (the [`Quantizer`] impl).
 
-use crate::model::linear::{Blocks, Quantizer};
+use crate::model::linear::{Blocks, Quantizer, StoredBlocks};
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use std::path::PathBuf;
@@ -77,15 +77,13 @@ pub(super) fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor>
         .reshape(dims)
 }
 
-/// [`unpermute`] for a matrix in any block format: its rows are whole blocks, moved as bytes.
-fn unpermute_blocks(t: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
-    let (rows, cols) = t.shape().dims2()?;
-    if heads == 0 || rows % (2 * heads) != 0 {
+/// [`unpermute`] for the bytes of a `rows`-row matrix in any block format: its rows are
+/// whole blocks, moved as bytes.
+fn unpermute_blocks(data: &[u8], rows: usize, heads: usize) -> candle_core::Result<Vec<u8>> {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
         candle_core::bail!("{rows} rows do not split into {heads} heads of rotary pairs");
     }
-    let q = t.dtype();
-    let (data, row) = (t.data()?, cols / q.block_size() * q.type_size());
-    let half = rows / heads / 2;
+    let (row, half) = (data.len() / rows, rows / heads / 2);
     let mut out = Vec::with_capacity(data.len());
     for h in 0..heads {
         for pair in 0..2 {
@@ -95,8 +93,7 @@ fn unpermute_blocks(t: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
             }
         }
     }
-    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &Device::Cpu, q)?;
-    QTensor::new(storage, (rows, cols))
+    Ok(out)
 }
 
 /// Whether `q` is one of ggml's block formats (not a plain float type).
@@ -131,6 +128,25 @@ impl GgufTensors {
             _ => None,
         };
         Some((name, heads))
+    }
+
+    /// The bytes of the tensor `gguf` as the file stores them, read once (the reader checked
+    /// at open that they lie inside the file).
+    fn stored(&self, gguf: &str) -> candle_core::Result<StoredBlocks> {
+        use std::io::{Read, Seek, SeekFrom};
+        let info = &self.content.tensor_infos[gguf];
+        let size = super::reader::byte_size(info).unwrap_or_default();
+        let mut file = std::fs::File::open(&self.path)?;
+        file.seek(SeekFrom::Start(
+            self.content.tensor_data_offset + info.offset,
+        ))?;
+        let mut bytes = vec![0u8; size as usize];
+        file.read_exact(&mut bytes)?;
+        Ok(StoredBlocks {
+            dtype: info.ggml_dtype,
+            dims: info.shape.dims().to_vec(),
+            bytes,
+        })
     }
 
     /// The block format holding most of the bytes of the tensors kept in blocks (the
@@ -211,13 +227,17 @@ impl Quantizer for GgufTensors {
         if !is_blocks(self.content.tensor_infos[&gguf].ggml_dtype) {
             return Ok(None);
         }
-        let mut file = std::fs::File::open(&self.path)?;
-        let t = self.content.tensor(&mut file, &gguf, &Device::Cpu)?;
+        let t = self
+            .stored(&gguf)
+            .map_err(|e| e.context(format!("tensor {gguf}")))?;
         let t = match heads {
-            Some(heads) => unpermute_blocks(&t, heads),
-            None => Ok(t),
-        }
-        .map_err(|e| e.context(format!("tensor {gguf}")))?;
+            Some(heads) => StoredBlocks {
+                bytes: unpermute_blocks(&t.bytes, t.dims[0], heads)
+                    .map_err(|e| e.context(format!("tensor {gguf}")))?,
+                ..t
+            },
+            None => t,
+        };
         Ok(Some(Blocks::Stored(t)))
     }
 

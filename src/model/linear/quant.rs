@@ -213,41 +213,63 @@ impl QWeight {
         if blocks.checked_mul(block_bytes) != Some(bytes.len()) {
             return None;
         }
-        if !format.split() {
-            let w = Self {
-                format,
+        if !packed::wanted(format) || rows <= packed::ROWS {
+            return Some(
+                Self::ggml_rows(format, rows, cols, bytes).repacked(packed::wanted(format)),
+            );
+        }
+        // Packed, a group of rows' planes are contiguous: they are built a group at a time,
+        // so that the load never holds the whole weight in ggml's rows beside its packed
+        // form (a tied head's embedding is a third of SmolLM2's Q4_0 file).
+        let (row_bytes, groups) = (bytes.len() / rows, rows.div_ceil(packed::ROWS));
+        let mut out: Option<QWeight> = None;
+        for group in bytes.chunks(packed::ROWS * row_bytes) {
+            let part = Self::ggml_rows(format, group.len() / row_bytes, cols, group).repacked(true);
+            let out = out.get_or_insert_with(|| QWeight {
+                scales: Vec::with_capacity(part.scales.len() * groups),
+                mins: Vec::with_capacity(part.mins.len() * groups),
+                quants: Vec::with_capacity(part.quants.len() * groups),
+                highs: Vec::with_capacity(part.highs.len() * groups),
                 rows,
-                cols,
-                scales: Vec::new(),
-                mins: Vec::new(),
-                quants: bytes.to_vec(),
-                highs: Vec::new(),
-                packed: false,
-            };
-            return Some(w.repacked(packed::wanted(format)));
+                packed: true,
+                ..part.clone_shape()
+            });
+            out.scales.extend_from_slice(&part.scales);
+            out.mins.extend_from_slice(&part.mins);
+            out.quants.extend_from_slice(&part.quants);
+            out.highs.extend_from_slice(&part.highs);
         }
-        let per_block = format.quant_bytes();
-        let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
-        let (mut scales, mut mins) = (Vec::with_capacity(blocks), Vec::new());
-        let mut quants = Vec::with_capacity(blocks * per_block);
-        for block in bytes.chunks_exact(block_bytes) {
-            scales.push(half(block));
-            if format == Format::Q4_1 {
-                mins.push(half(&block[2..]));
-            }
-            quants.extend_from_slice(&block[2 * format.halves()..]);
-        }
-        let w = Self {
+        out
+    }
+
+    /// [`Self::from_ggml`]'s checked bytes in the row layout.
+    fn ggml_rows(format: Format, rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        let mut w = Self {
             format,
             rows,
             cols,
-            scales,
-            mins,
-            quants,
+            scales: Vec::new(),
+            mins: Vec::new(),
+            quants: Vec::new(),
             highs: Vec::new(),
             packed: false,
         };
-        Some(w.repacked(packed::wanted(format)))
+        if !format.split() {
+            w.quants = bytes.to_vec();
+            return w;
+        }
+        let (block_bytes, blocks) = (format.ggml_bytes(), bytes.len() / format.ggml_bytes());
+        let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]);
+        w.scales.reserve_exact(blocks);
+        w.quants.reserve_exact(blocks * format.quant_bytes());
+        for block in bytes.chunks_exact(block_bytes) {
+            w.scales.push(half(block));
+            if format == Format::Q4_1 {
+                w.mins.push(half(&block[2..]));
+            }
+            w.quants.extend_from_slice(&block[2 * format.halves()..]);
+        }
+        w
     }
 
     pub fn format(&self) -> Format {

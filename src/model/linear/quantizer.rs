@@ -4,18 +4,33 @@
 
 use super::quant::{Format, QWeight};
 use super::Linear;
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::Result;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{Device, Result};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// How a projection is stored in blocks: quantized from its dense weight as it loads
 /// (`--dtype q8_0|q4_0`), or the blocks a file already holds (a GGUF's).
-// On aarch64 candle's QTensor is 248 bytes (clippy's limit is 200): not worth a Box, as a
-// `Blocks` lives only while one projection loads.
-#[allow(clippy::large_enum_variant)]
 pub enum Blocks {
     Made(GgmlDType),
-    Stored(QTensor),
+    Stored(StoredBlocks),
+}
+
+/// A weight's blocks as a file stores them: ggml's bytes of a `dims` tensor in `dtype`, read
+/// once (candle's reader holds them twice while it loads a tensor, and a `QTensor` beside
+/// our packed copy would be a third).
+pub struct StoredBlocks {
+    pub dtype: GgmlDType,
+    pub dims: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+impl StoredBlocks {
+    /// As candle's quantized tensor on `dev` (where our kernels do not run them).
+    pub fn into_qtensor(self, dev: &Device) -> Result<QTensor> {
+        let storage = QStorage::from_data(Cow::Owned(self.bytes), dev, self.dtype)?;
+        QTensor::new(storage, self.dims)
+    }
 }
 
 /// The one door by which block formats enter the model: for each projection the model loads
@@ -80,13 +95,12 @@ pub fn our_format(q: GgmlDType) -> Option<Format> {
 
 /// A file's stored blocks (a GGUF's, read on CPU) as our kernels' weight, when they run
 /// its format.
-pub fn stored_weight(t: &QTensor) -> Result<Option<Arc<QWeight>>> {
-    let Some(format) = our_format(t.dtype()).filter(|_| t.device().is_cpu()) else {
+pub fn stored_weight(t: &StoredBlocks) -> Result<Option<Arc<QWeight>>> {
+    let (Some(format), &[rows, cols]) = (our_format(t.dtype), t.dims.as_slice()) else {
         return Ok(None);
     };
-    let (rows, cols) = t.shape().dims2()?;
-    let q = QWeight::from_ggml(format, rows, cols, &t.data()?).ok_or_else(|| {
-        candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", t.dtype()))
+    let q = QWeight::from_ggml(format, rows, cols, &t.bytes).ok_or_else(|| {
+        candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", t.dtype))
     })?;
     Ok(Some(Arc::new(q)))
 }

@@ -211,7 +211,7 @@ impl QWeight {
     }
 
     /// This weight's format and shape with no planes: what a layout's planes are put into.
-    fn clone_shape(&self) -> QWeight {
+    pub(super) fn clone_shape(&self) -> QWeight {
         QWeight {
             format: self.format,
             rows: self.rows,

@@ -127,6 +127,47 @@ fn packing_keeps_every_weight() {
     }
 }
 
+/// `from_ggml` packs a file's weight a group of 8 rows at a time (where the CPU packs): the
+/// same planes as the whole weight read in rows and packed at once, for rows that fill their
+/// last group or not, one group or several.
+#[test]
+fn a_file_weight_packed_by_groups_equals_it_packed_whole() {
+    for f in FORMATS {
+        let cols = f.0.block_weights().max(3 * BLOCK);
+        for rows in [1, 8, 9, 16, 21] {
+            let w = Tensor::from_vec(data(rows * cols, 5), (rows, cols), &Device::Cpu).unwrap();
+            let bytes = QTensor::quantize(&w, f.1)
+                .unwrap()
+                .data()
+                .unwrap()
+                .into_owned();
+            let read = QWeight::from_ggml(f.0, rows, cols, &bytes)
+                .unwrap()
+                .repacked(true);
+            let whole = QWeight::ggml_rows(f.0, rows, cols, &bytes).repacked(true);
+            assert_eq!(
+                (
+                    read.rows,
+                    &read.scales,
+                    &read.mins,
+                    &read.quants,
+                    &read.highs
+                ),
+                (
+                    whole.rows,
+                    &whole.scales,
+                    &whole.mins,
+                    &whole.quants,
+                    &whole.highs
+                ),
+                "{:?}, {rows} rows",
+                f.0
+            );
+            assert!(read.packed_fits(), "{:?}, {rows} rows", f.0);
+        }
+    }
+}
+
 #[test]
 fn packed_products_equal_the_dequantized_product() {
     // 2 groups of 8 rows (a pair, the last padded) and 3 (a pair and one).
