@@ -77,10 +77,13 @@ pub(super) fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor>
         .reshape(dims)
 }
 
-/// [`unpermute`] for the bytes of a `rows`-row matrix in any block format: its rows are
-/// whole blocks, moved as bytes.
-fn unpermute_blocks(data: &[u8], rows: usize, heads: usize) -> candle_core::Result<Vec<u8>> {
-    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+/// [`unpermute`] for the bytes of a matrix of shape `dims` in any block format: its rows
+/// are whole blocks, moved as bytes.
+fn unpermute_blocks(data: &[u8], dims: &[usize], heads: usize) -> candle_core::Result<Vec<u8>> {
+    let &[rows, _] = dims else {
+        candle_core::bail!("shape {dims:?} is not a matrix");
+    };
+    if heads == 0 || rows == 0 || !rows.is_multiple_of(2 * heads) {
         candle_core::bail!("{rows} rows do not split into {heads} heads of rotary pairs");
     }
     let (row, half) = (data.len() / rows, rows / heads / 2);
@@ -232,7 +235,7 @@ impl Quantizer for GgufTensors {
             .map_err(|e| e.context(format!("tensor {gguf}")))?;
         let t = match heads {
             Some(heads) => StoredBlocks {
-                bytes: unpermute_blocks(&t.bytes, t.dims[0], heads)
+                bytes: unpermute_blocks(&t.bytes, &t.dims, heads)
                     .map_err(|e| e.context(format!("tensor {gguf}")))?,
                 ..t
             },
@@ -275,5 +278,24 @@ impl SimpleBackend for GgufTensors {
 
     fn contains_tensor(&self, name: &str) -> bool {
         gguf_name(name).is_some_and(|g| self.content.tensor_infos.contains_key(&g))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unpermute_blocks;
+
+    /// Rows of bytes come back in transformers' order; a shape from a hostile file that is
+    /// not a matrix of whole head pairs is an error, not a panic.
+    #[test]
+    fn block_rows_are_unpermuted_as_bytes_and_bad_shapes_refused() {
+        // 4 rows of 2 bytes, 1 head: rows (0, 1, 2, 3) interleaved as pairs -> (0, 2, 1, 3).
+        let data = [0, 0, 1, 1, 2, 2, 3, 3];
+        let out = unpermute_blocks(&data, &[4, 64], 1).unwrap();
+        assert_eq!(out, [0, 0, 2, 2, 1, 1, 3, 3]);
+        for dims in [&[][..], &[4], &[0, 64], &[3, 64], &[4, 64, 1]] {
+            assert!(unpermute_blocks(&data, dims, 1).is_err(), "{dims:?}");
+        }
+        assert!(unpermute_blocks(&data, &[4, 64], 0).is_err());
     }
 }
