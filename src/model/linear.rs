@@ -146,9 +146,7 @@ impl Linear {
                 )))
             }
             (Blocks::Stored(t), Some(format)) => {
-                let q = QWeight::from_ggml(format, rows, cols, &t.bytes)
-                    .ok_or_else(|| unreadable("stored blocks"))?;
-                Weight::Blocks(Arc::new(q))
+                Weight::Blocks(Arc::new(t.weight(format, (rows, cols))?))
             }
             (Blocks::Stored(t), None) => Weight::Quantized(Arc::new(t.into_qtensor(&dev)?)),
         };

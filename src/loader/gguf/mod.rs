@@ -5,9 +5,9 @@
 //! result is the same [`Loaded`] a directory gives.
 //!
 //! With `--dtype auto` (the default) the projections and the LM head stay in the file's
-//! block formats (Q8_0, Q4_0 and Q4_1 on our kernels, the K-quants on candle's), and the
-//! rest (embeddings, norms) is dequantized to f32, or kept in f16/bf16 when the file stores
-//! those. `--dtype f32|bf16` dequantizes everything; `--dtype q8_0|q4_0` re-quantizes the
+//! block formats (on CPU every one we run on our kernels, the embedding too, which a tied
+//! head shares; candle's kernels elsewhere), and the rest (norms, and the embedding off the
+//! CPU) is dequantized to f32, or kept in f16/bf16 when the file stores those. `--dtype f32|bf16` dequantizes everything; `--dtype q8_0|q4_0` re-quantizes the
 //! dequantized weights as for a checkpoint. Opening a file reads its metadata and tensor table
 //! only; `info` reads no tensor data.
 

@@ -1,7 +1,8 @@
 //! A GGUF file's header (metadata and tensor table) read as strictly as llama.cpp's
 //! `gguf.cpp` reads it, through a buffer, checking every count and size against the bytes
 //! left in the file before anything is allocated from it. The result is candle's
-//! [`Content`], whose tensor reads the rest of the loader uses.
+//! [`Content`]: its tensor table locates every tensor for the rest of the loader, which reads
+//! the blocks it keeps itself (`tensors`) and the rest through candle's reader.
 //!
 //! We do not use candle's `Content::read`: it divides by `general.alignment` unchecked (0
 //! panics), multiplies dimensions unchecked, reads one syscall per value, and accepts tensor

@@ -230,17 +230,11 @@ impl Quantizer for GgufTensors {
         if !is_blocks(self.content.tensor_infos[&gguf].ggml_dtype) {
             return Ok(None);
         }
-        let t = self
-            .stored(&gguf)
-            .map_err(|e| e.context(format!("tensor {gguf}")))?;
-        let t = match heads {
-            Some(heads) => StoredBlocks {
-                bytes: unpermute_blocks(&t.bytes, &t.dims, heads)
-                    .map_err(|e| e.context(format!("tensor {gguf}")))?,
-                ..t
-            },
-            None => t,
-        };
+        let named = |e: candle_core::Error| e.context(format!("tensor {gguf}"));
+        let mut t = self.stored(&gguf).map_err(named)?;
+        if let Some(heads) = heads {
+            t.bytes = unpermute_blocks(&t.bytes, &t.dims, heads).map_err(named)?;
+        }
         Ok(Some(Blocks::Stored(t)))
     }
 

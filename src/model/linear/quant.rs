@@ -213,10 +213,8 @@ impl QWeight {
         if blocks.checked_mul(block_bytes) != Some(bytes.len()) {
             return None;
         }
-        if !packed::wanted(format) || rows <= packed::ROWS {
-            return Some(
-                Self::ggml_rows(format, rows, cols, bytes).repacked(packed::wanted(format)),
-            );
+        if !packed::wanted(format) || rows == 0 {
+            return Some(Self::ggml_rows(format, rows, cols, bytes));
         }
         // Packed, a group of rows' planes are contiguous: they are built a group at a time,
         // so that the load never holds the whole weight in ggml's rows beside its packed

@@ -26,6 +26,13 @@ pub struct StoredBlocks {
 }
 
 impl StoredBlocks {
+    /// As our kernels' weight of `rows x cols` in `format` (this block format's ours).
+    pub fn weight(&self, format: Format, (rows, cols): (usize, usize)) -> Result<QWeight> {
+        QWeight::from_ggml(format, rows, cols, &self.bytes).ok_or_else(|| {
+            candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", self.dtype))
+        })
+    }
+
     /// As candle's quantized tensor on `dev` (where our kernels do not run them).
     pub fn into_qtensor(self, dev: &Device) -> Result<QTensor> {
         let storage = QStorage::from_data(Cow::Owned(self.bytes), dev, self.dtype)?;
@@ -99,10 +106,7 @@ pub fn stored_weight(t: &StoredBlocks) -> Result<Option<Arc<QWeight>>> {
     let (Some(format), &[rows, cols]) = (our_format(t.dtype), t.dims.as_slice()) else {
         return Ok(None);
     };
-    let q = QWeight::from_ggml(format, rows, cols, &t.bytes).ok_or_else(|| {
-        candle_core::Error::Msg(format!("cannot read stored blocks as {:?}", t.dtype))
-    })?;
-    Ok(Some(Arc::new(q)))
+    Ok(Some(Arc::new(t.weight(format, (rows, cols))?)))
 }
 
 #[cfg(test)]
