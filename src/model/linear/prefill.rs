@@ -29,10 +29,11 @@
 //!   replaces candle's matmul on AVX2 for every row count.
 //!
 //! [`by_gemm`] picks. Here the rows of `W` are split into chunks that the [`Pool`] runs in
-//! parallel, and a chunk goes through `gemm` single-threaded. f32 weights go to `gemm` in
-//! place. bf16 weights go one block of `BLOCK_ROWS` × `BLOCK_K` at a time, widened and
-//! transposed (`widen`) into a small per-thread f32 buffer that stays in L2: read from
-//! memory once, as bf16, the f32 copy never leaving the cache.
+//! parallel, and a chunk goes through `gemm` single-threaded. bf16 weights go one block of
+//! `BLOCK_ROWS` × `BLOCK_K` at a time, widened and transposed (`widen`) into a small
+//! per-thread f32 buffer that stays in L2: read from memory once, as bf16, the f32 copy
+//! never leaving the cache. f32 weights are copied the same way below
+//! [`F32_IN_PLACE_ROWS`] rows of x, and go to `gemm` in place from there.
 
 mod widen;
 
@@ -63,6 +64,15 @@ const BF16_GEMM_ROWS: usize = 32;
 /// weights 163 / 207 GFLOP/s, SmolLM2's 1536 × 576 155-171 / 197-199. bf16 stays on the
 /// tile (`vdpbf16ps`) at every size on both.
 const F32_GEMM_ROWS_AVX512: usize = 128;
+/// From this many rows of x, f32 weights go to `gemm` as they are; below, transposed into
+/// blocks as bf16 is (`widen`), for `gemm` gathers a row-major block element by element and
+/// fewer rows of x pay for it less. Zen 3 (AVX2, 2 threads; `probe_rows_throughput`, two
+/// runs, GFLOP/s in place / copied): 64 × 2048 · (8192 × 2048)ᵀ 62-45 / 81-79, 64 × 8192 ·
+/// (2048 × 8192)ᵀ 65-55 / 75-81, 32 rows 42-40 / 48-59; 128 × 2048 · (2048 × 2048)ᵀ 89-78 /
+/// 72-89 and 512 rows 94-100 / 85-106 (a tie). The 1.7B shape's f32 prefill of 64 tokens
+/// 18.7-20.2 -> 24.7-26.8 tok/s (2 alternating runs); SmolLM2-135M's 64 and 512 tokens
+/// within noise (5 alternating runs each, medians 320 / 319 and 399 / 391 tok/s).
+const F32_IN_PLACE_ROWS: usize = 128;
 
 /// From this many rows of x, products with block-format weights (`--dtype q8_0|q4_0`, a
 /// GGUF's blocks) go to `gemm` too, each block dequantized into the f32 buffer as bf16 is
@@ -175,7 +185,7 @@ unsafe fn chunk(
     let m = x.len() / k;
     match w {
         // SAFETY: rows r0..r1 of w are inside it; the caller vouches for x and y.
-        Weights::F32(w) => unsafe {
+        Weights::F32(w) if m >= F32_IN_PLACE_ROWS => unsafe {
             gemm_block(
                 m,
                 (r1 - r0, k),
@@ -186,7 +196,7 @@ unsafe fn chunk(
                 false,
             )
         },
-        Weights::Bf16(_) | Weights::Blocks(_) => BLOCK.with_borrow_mut(|buf| {
+        _ => BLOCK.with_borrow_mut(|buf| {
             // Equal column blocks of at most BLOCK_K (576 is 2 × 288, not 512 + 64), whole
             // blocks of a block format.
             let width = k
@@ -199,7 +209,7 @@ unsafe fn chunk(
                     let block = match w {
                         Weights::Blocks(q) => q.dequantize_transposed((b0, rows), (c0, cols), buf),
                         Weights::Bf16(w) => widen::transposed(w, k, (b0, rows), (c0, cols), buf),
-                        Weights::F32(_) => unreachable!("f32 weights are not copied"),
+                        Weights::F32(w) => widen::transposed(w, k, (b0, rows), (c0, cols), buf),
                     };
                     // SAFETY: block is W[r, c] at c·rows + r for the block's rows × cols;
                     // x's columns c0..c0 + cols exist; y as above.

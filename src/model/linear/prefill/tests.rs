@@ -9,11 +9,17 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 /// f32 products on either side of the crossover to `gemm` (AVX2's at 17 rows, full-width
-/// AVX-512's at 128) go where this CPU's set says, and equal plain sums either way: each
-/// host covers its own crossover.
+/// AVX-512's at 128, where AVX2's copies of W stop) go where this CPU's set says, and equal
+/// plain sums either way: each host covers its own crossover. W is more than one block each
+/// way (rows and columns, ragged), so the copies' edges and their sums over column blocks
+/// are taken.
 #[test]
 fn f32_rows_either_side_of_gemm_equal_plain_sums() {
-    let (n, k) = (50, 96);
+    let (n, k) = (BLOCK_ROWS + 5, BLOCK_K + 88);
+    assert_eq!(
+        F32_IN_PLACE_ROWS, F32_GEMM_ROWS_AVX512,
+        "the rows below are either side of both"
+    );
     let w = data(n * k, 7);
     for m in [
         F32_GEMM_ROWS - 1,

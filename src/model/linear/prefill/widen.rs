@@ -1,16 +1,39 @@
-//! A block of bf16 weights widened to f32 and transposed, for `gemm`: rows × cols of W
-//! (row-major bf16, row width k) become `buf[c · rows + r]`. gemm's kernel reads its left
+//! A block of dense weights (bf16 or f32) as f32 and transposed, for `gemm`: rows × cols of
+//! W (row-major, row width k) become `buf[c · rows + r]`. gemm's kernel reads its left
 //! operand (our W, after gemm swaps the operands for a row-major y) in this layout as it
 //! is; a row-major f32 block it first gathers into it, element by element, which took a
 //! third as long as the multiplications themselves at 40 rows of x (f32 `perf` profile).
 
-/// `W[r0 + r, c0 + c]` widened at `buf[c · rows + r]` for r < rows, c < cols; returns the
+/// A weight element this copy reads: bf16 (its bits) or f32.
+pub trait Elem: Copy {
+    /// Whether the element is bf16 bits (widened by a shift) rather than an f32: read by
+    /// the AVX2 squares only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    const BF16: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for u16 {
+    const BF16: bool = true;
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+}
+
+impl Elem for f32 {
+    const BF16: bool = false;
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// `W[r0 + r, c0 + c]` as f32 at `buf[c · rows + r]` for r < rows, c < cols; returns the
 /// `rows · cols` values written.
 ///
 /// # Panics
 /// If the block is not inside `w` (rows of width `k`).
-pub fn transposed<'a>(
-    w: &[u16],
+pub fn transposed<'a, T: Elem>(
+    w: &[T],
     k: usize,
     (r0, rows): (usize, usize),
     (c0, cols): (usize, usize),
@@ -28,11 +51,10 @@ pub fn transposed<'a>(
     let w = &w[r0 * k + c0..];
     // Whole 8 × 8 squares in registers where the CPU has AVX2, the edges one by one.
     let (r8, c8) = squares(w, k, (rows, cols), out);
-    let widen = |r: usize, c: usize| f32::from_bits((w[r * k + c] as u32) << 16);
     for r in 0..rows {
         let from = if r < r8 { c8 } else { 0 };
         for c in from..cols {
-            out[c * rows + r] = widen(r, c);
+            out[c * rows + r] = w[r * k + c].to_f32();
         }
     }
     out
@@ -40,7 +62,12 @@ pub fn transposed<'a>(
 
 /// Fills `out` for the whole 8 × 8 squares of the block and returns how far they reach
 /// (rows, columns): nothing without AVX2.
-fn squares(w: &[u16], k: usize, (rows, cols): (usize, usize), out: &mut [f32]) -> (usize, usize) {
+fn squares<T: Elem>(
+    w: &[T],
+    k: usize,
+    (rows, cols): (usize, usize),
+    out: &mut [f32],
+) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if super::super::simd::Isa::current().has_avx2() {
         let (r8, c8) = (rows - rows % 8, cols - cols % 8);
@@ -58,8 +85,8 @@ fn squares(w: &[u16], k: usize, (rows, cols): (usize, usize), out: &mut [f32]) -
 /// AVX2; rows < r8 of `w` hold c8 values from the pointer on; `out` holds rows × c8 values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn squares_avx2(
-    w: *const u16,
+unsafe fn squares_avx2<T: Elem>(
+    w: *const T,
     k: usize,
     (r8, c8): (usize, usize),
     rows: usize,
@@ -108,13 +135,17 @@ unsafe fn squares_avx2(
     }
 }
 
-/// Eight bf16 values widened to f32.
+/// Eight values as f32 (bf16 widened).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+unsafe fn load8<T: Elem>(p: *const T) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    // SAFETY: the caller guarantees 8 readable u16 at p.
+    if !T::BF16 {
+        // SAFETY: the caller guarantees 8 readable values at p, f32 here.
+        return unsafe { _mm256_loadu_ps(p as *const f32) };
+    }
+    // SAFETY: as above, bf16 bits here.
     let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
 }
@@ -131,11 +162,21 @@ mod tests {
             .collect();
         let (r0, rows, c0, cols) = (5, 17, 3, 21);
         let mut buf = Vec::new();
-        let got = super::transposed(&w, k, (r0, rows), (c0, cols), &mut buf);
+        let got = super::transposed(&w, k, (r0, rows), (c0, cols), &mut buf).to_vec();
+        let wide: Vec<f32> = w
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        let copied = super::transposed(&wide, k, (r0, rows), (c0, cols), &mut buf);
         for r in 0..rows {
             for c in 0..cols {
-                let want = f32::from_bits((w[(r0 + r) * k + c0 + c] as u32) << 16);
+                let want = wide[(r0 + r) * k + c0 + c];
                 assert_eq!(got[c * rows + r].to_bits(), want.to_bits(), "r {r} c {c}");
+                assert_eq!(
+                    copied[c * rows + r].to_bits(),
+                    want.to_bits(),
+                    "f32: r {r} c {c}"
+                );
             }
         }
     }
